@@ -1,0 +1,92 @@
+"""`ErnieForCausalLM`: the Flax NNX module that holds ERNIE-4.5 weights and runs the forward pass.
+
+The module is a thin stateful shell: its `nnx.Param`s mirror the weights pytree of weights.py one to one,
+and every method calls the pure, jitted functions of forward.py on `self.weights()`. Serving code takes
+`weights()` once and jits its own programs over the plain pytree (no per-call NNX graph traversal).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ernie_jax.config import ErnieConfig
+from ernie_jax.model import forward as fwd
+from ernie_jax.model.kv_cache import KVCache
+from ernie_jax.model.weights import init_weights
+
+
+def _to_nnx(tree):
+    if isinstance(tree, dict):
+        return nnx.Dict({k: _to_nnx(v) for k, v in tree.items()})
+    if isinstance(tree, (list, tuple)):
+        return nnx.List([_to_nnx(v) for v in tree])
+    return nnx.Param(tree)
+
+
+def _to_pure(tree):
+    """nnx.to_pure_dict turns lists into int-keyed dicts; give them back their list form."""
+    if isinstance(tree, dict):
+        if tree and all(isinstance(k, int) for k in tree):
+            return [_to_pure(tree[i]) for i in range(len(tree))]
+        return {k: _to_pure(v) for k, v in tree.items()}
+    return tree
+
+
+class ErnieForCausalLM(nnx.Module):
+    """ERNIE-4.5 MoE causal LM (300B-A47B, 21B-A3B or any config), optionally with its MTP block.
+
+    >>> model = ErnieForCausalLM(ErnieConfig.preset("tiny"), rngs=nnx.Rngs(0), dtype=jnp.float32)
+    >>> logits = model(jnp.array([[1, 5, 9]]))          # [1, 3, V] f32
+    """
+
+    def __init__(self, config: ErnieConfig, weights: dict[str, Any] | None = None, *, dtype=jnp.bfloat16,
+                 rngs: nnx.Rngs | None = None):
+        if weights is None:
+            seed = int(jax.random.key_data(rngs.params()).ravel()[-1]) if rngs is not None else 0
+            weights = init_weights(config, seed, dtype)
+        self.config = config
+        self.embed = nnx.Param(weights["embed"])
+        self.segments = _to_nnx(weights["segments"])
+        self.final_norm = nnx.Param(weights["final_norm"])
+        self.lm_head = nnx.Param(weights["lm_head"]) if "lm_head" in weights else None
+        self.mtp = _to_nnx(weights["mtp"]) if "mtp" in weights else None
+
+    def weights(self) -> dict[str, Any]:
+        """The plain weights pytree (same structure as weights.weight_shapes)."""
+        return _to_pure(nnx.to_pure_dict(nnx.state(self, nnx.Param)))
+
+    @property
+    def dtype(self):
+        return self.embed[...].dtype
+
+    def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """Full forward: input_ids [B,T] -> logits [B,T,V] (f32)."""
+        return self.forward(input_ids, positions).logits
+
+    def forward(self, input_ids, positions=None, cache: KVCache | None = None,
+                logit_positions=None) -> fwd.ForwardOutput:
+        """Forward with optional KV cache (incremental decoding). The cache argument is donated."""
+        input_ids = jnp.asarray(input_ids, jnp.int32)
+        if cache is None:
+            return fwd.forward_jit(self.weights(), self.config, input_ids, positions, logit_positions)
+        if positions is None:
+            raise ValueError("forward with a cache needs explicit positions [B,T]")
+        return fwd.forward_cached_jit(self.weights(), self.config, input_ids, jnp.asarray(positions, jnp.int32),
+                                      cache, logit_positions)
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+        return KVCache.create(self.config, batch, max_len, dtype or self.dtype)
+
+    def mtp_logits(self, input_ids: jax.Array) -> jax.Array:
+        """MTP logits [B,T-1,V]: row t predicts token t+2 from token t+1 and the main model's state at t."""
+        if self.mtp is None:
+            raise ValueError("this model has no MTP block (num_nextn_predict_layers = 0 or weights not loaded)")
+        input_ids = jnp.asarray(input_ids, jnp.int32)
+        out = self.forward(input_ids)
+        B, T = input_ids.shape
+        positions = jnp.broadcast_to(jnp.arange(T - 1, dtype=jnp.int32), (B, T - 1))
+        return fwd.mtp_forward_jit(self.weights(), self.config, input_ids[:, 1:], out.hidden[:, :-1], positions)

@@ -1,0 +1,128 @@
+"""The ERNIE-4.5 forward pass as pure functions over the weights pytree (see weights.py).
+
+`forward` runs embedding -> decoder segments -> final norm -> LM head. Each segment (a run of dense or of
+MoE layers) is one `lax.scan` over its stacked weights, so compile time does not grow with depth.
+`mtp_forward` runs the multi-token-prediction block (spec section 5.1).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ernie_jax.config import ErnieConfig
+from ernie_jax.model import kv_cache as kvc
+from ernie_jax.model.layers import attention, linear, moe, rms_norm, rope, swiglu
+
+
+class ForwardOutput(NamedTuple):
+    logits: jax.Array  # [B,T,V] f32, or [B,V] when logit_positions is given
+    hidden: jax.Array  # [B,T,H] final-normed hidden states (what FastDeploy feeds the MTP block)
+    cache: kvc.KVCache | None
+    expert_ids: tuple[jax.Array, ...]  # per MoE segment [L, B*T, k]
+
+
+def attention_block(x, w, cfg: ErnieConfig, positions, layer_cache):
+    """x [B,T,H] -> ([B,T,H], updated (k, v) slots or None)."""
+    B, T, _ = x.shape
+    qkv = linear(x, w["qkv"])
+    q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+    q = rope(q.reshape(B, T, cfg.num_attention_heads, cfg.head_dim), positions, cfg.rope_theta,
+             cfg.compression_ratio)
+    k = rope(k.reshape(B, T, cfg.num_key_value_heads, cfg.head_dim), positions, cfg.rope_theta,
+             cfg.compression_ratio)
+    v = v.reshape(B, T, cfg.num_key_value_heads, cfg.head_dim)
+    if layer_cache is None:
+        out = attention(q, k, v, positions, positions)
+    else:
+        ck, cv = kvc.write(*layer_cache, k, v, positions)
+        slots = jnp.broadcast_to(jnp.arange(ck.shape[1]), (B, ck.shape[1]))
+        out = attention(q, ck.astype(q.dtype), cv.astype(q.dtype), positions, slots)
+        layer_cache = (ck, cv)
+    return linear(out, w["o"]), layer_cache
+
+
+def decoder_layer(h, w, kind: str, cfg: ErnieConfig, positions, layer_cache=None):
+    """Pre-norm residual block. Returns (h, layer_cache, expert ids or None)."""
+    a, layer_cache = attention_block(rms_norm(h, w["input_norm"], cfg.rms_norm_eps), w, cfg, positions,
+                                     layer_cache)
+    h = h + a
+    x = rms_norm(h, w["post_norm"], cfg.rms_norm_eps)
+    if kind == "dense":
+        y, ids = swiglu(x, w["up_gate"], w["down"]), None
+    else:
+        y, ids = moe(x, w, cfg)
+    return h + y, layer_cache, ids
+
+
+def lm_head(weights, h: jax.Array) -> jax.Array:
+    if "lm_head" in weights and weights["lm_head"] is not None:
+        return jnp.einsum("...h,hv->...v", h, weights["lm_head"].astype(h.dtype),
+                          preferred_element_type=jnp.float32)
+    return jnp.einsum("...h,vh->...v", h, weights["embed"].astype(h.dtype), preferred_element_type=jnp.float32)
+
+
+def forward(weights: dict[str, Any], cfg: ErnieConfig, input_ids: jax.Array, positions: jax.Array | None = None,
+            cache: kvc.KVCache | None = None, logit_positions: jax.Array | None = None) -> ForwardOutput:
+    """input_ids [B,T] int; positions [B,T] (default 0..T-1); with `cache`, K/V are written at `positions`
+    and attention reads every filled slot, which is how incremental decoding works.
+    `logit_positions` [B]: compute logits only at these token indices (e.g. the last prompt token)."""
+    B, T = input_ids.shape
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    h = weights["embed"][input_ids]
+    new_k, new_v, expert_ids = [], [], []
+    for s, seg in enumerate(cfg.layer_segments()):
+        seg_cache = None if cache is None else (cache.k[s], cache.v[s])
+
+        def body(h, xs, kind=seg.kind):
+            w, layer_cache = xs
+            h, layer_cache, ids = decoder_layer(h, w, kind, cfg, positions, layer_cache)
+            return h, (layer_cache, ids)
+
+        h, (seg_cache, ids) = lax.scan(body, h, (weights["segments"][s], seg_cache))
+        if cache is not None:
+            new_k.append(seg_cache[0])
+            new_v.append(seg_cache[1])
+        if ids is not None:
+            expert_ids.append(ids)
+    hidden = rms_norm(h, weights["final_norm"], cfg.rms_norm_eps)
+    head_in = hidden if logit_positions is None else hidden[jnp.arange(B), logit_positions]
+    logits = lm_head(weights, head_in)
+    new_cache = None if cache is None else kvc.KVCache(k=new_k, v=new_v)
+    return ForwardOutput(logits, hidden, new_cache, tuple(expert_ids))
+
+
+def mtp_forward(weights: dict[str, Any], cfg: ErnieConfig, next_ids: jax.Array, hidden: jax.Array,
+                positions: jax.Array) -> jax.Array:
+    """MTP logits for token t+2 from (x_{t+1}, h_t).
+
+    next_ids [B,T] are the tokens x_{t+1}; hidden [B,T,H] the main model's final-normed states h_t;
+    positions [B,T] the positions t. The block attends causally over these T inputs (no cache).
+    """
+    m = weights["mtp"]
+    e = weights["embed"][next_ids].astype(hidden.dtype)
+    z = jnp.concatenate([rms_norm(e, m["emb_norm"], cfg.rms_norm_eps),
+                         rms_norm(hidden, m["hidden_norm"], cfg.rms_norm_eps)], axis=-1)
+    u = linear(z, m["proj"])
+    u, _, _ = decoder_layer(u, m["layer"], "dense", cfg, positions)
+    return lm_head(weights, rms_norm(u, weights["final_norm"], cfg.rms_norm_eps))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def forward_jit(weights, cfg, input_ids, positions=None, logit_positions=None) -> ForwardOutput:
+    return forward(weights, cfg, input_ids, positions, None, logit_positions)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def forward_cached_jit(weights, cfg, input_ids, positions, cache, logit_positions=None) -> ForwardOutput:
+    return forward(weights, cfg, input_ids, positions, cache, logit_positions)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def mtp_forward_jit(weights, cfg, next_ids, hidden, positions):
+    return mtp_forward(weights, cfg, next_ids, hidden, positions)

@@ -1,0 +1,118 @@
+"""Pure building blocks of the ERNIE-4.5 forward pass: norm, rotary embedding, attention, SwiGLU, MoE.
+
+Every function takes arrays (and the static config) and returns arrays, so the same code runs eagerly,
+under jit, and inside shard_map. The numerics follow ERNIE45_SPEC.md section 2: fp32 norm statistics,
+interleaved (GPT-J style) RoPE computed in fp32, fp32 attention softmax, an fp32 router whose correction
+bias only steers selection, renormalised top-k weights and a dropless expert computation.
+Glossary: B batch, T tokens, S key slots, H hidden, N query heads, K KV heads, R = N/K, D head dim,
+E experts, F FFN width, k experts per token.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ernie_jax.config import ErnieConfig
+
+_NEG_INF = -1e30
+
+
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """y = x @ w with w in the Paddle [in, out] orientation; the one place matmul numerics are chosen."""
+    return jnp.einsum("...i,io->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    y = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float, compression_ratio: float = 1.0) -> jax.Array:
+    """Rotate each adjacent pair (x[2i], x[2i+1]) by angle p * theta^(-2i/D).  x [B,T,*,D], positions [B,T]."""
+    D = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, D, 2, dtype=jnp.float32) / D))
+    ang = (positions.astype(jnp.float32) / compression_ratio)[..., None] * inv_freq  # [B,T,D/2]
+    cos = jnp.cos(ang)[:, :, None, :]
+    sin = jnp.sin(ang)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x0, x1 = xf[..., 0::2], xf[..., 1::2]
+    out = jnp.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], axis=-1)
+    return out.reshape(x.shape).astype(x.dtype)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
+    """Causal GQA attention by position: key s is visible to query t iff 0 <= k_pos[s] <= q_pos[t].
+
+    q [B,T,N,D]; k, v [B,S,K,D]; q_pos [B,T]; k_pos [B,S] (-1 marks an empty slot).  Returns [B,T,N*D].
+    """
+    B, T, N, D = q.shape
+    K = k.shape[2]
+    qg = q.reshape(B, T, K, N // K, D)
+    s = jnp.einsum("btkrd,bskd->bkrts", qg, k, preferred_element_type=jnp.float32) * (D ** -0.5)
+    visible = (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_pos[:, None, :] >= 0)  # [B,T,S]
+    s = jnp.where(visible[:, None, None], s, _NEG_INF)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    o = jnp.einsum("bkrts,bskd->btkrd", p, v, preferred_element_type=jnp.float32)
+    return o.reshape(B, T, N * D).astype(q.dtype)
+
+
+def swiglu(x: jax.Array, up_gate: jax.Array, down: jax.Array) -> jax.Array:
+    """Paddle's fused `up_gate_proj` holds [gate | up] despite its name."""
+    u = linear(x, up_gate)
+    gate, up = jnp.split(u, 2, axis=-1)
+    return linear(jax.nn.silu(gate) * up, down)
+
+
+def route(x: jax.Array, router: jax.Array, bias: jax.Array, cfg: ErnieConfig) -> tuple[jax.Array, jax.Array]:
+    """fp32 softmax router; the correction bias picks the experts but does not weight them.
+
+    x [T,H] -> (weights [T,k] f32 renormalised, expert ids [T,k] int32)
+    """
+    logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    probs = jax.nn.softmax(logits, axis=-1)
+    _, ids = lax.top_k(probs + bias.astype(jnp.float32), cfg.moe_k)
+    w = jnp.take_along_axis(probs, ids, axis=-1)
+    w = w / jnp.maximum(jnp.sum(w, axis=-1, keepdims=True), cfg.moe_norm_min)
+    return w, ids.astype(jnp.int32)
+
+
+def sort_by_expert(ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Order the T*k (token, expert) assignments by expert.
+
+    Returns (order [T*k]: assignment index at each sorted row, inverse [T*k], group_sizes [E]).
+    """
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    return order, inverse, group_sizes
+
+
+def grouped_swiglu(xs: jax.Array, up_gate: jax.Array, down: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """SwiGLU experts over rows sorted by expert (ragged groups): xs [M,H], up_gate [E,H,2F], down [E,F,H]."""
+    u = lax.ragged_dot(xs, up_gate.astype(xs.dtype), group_sizes, preferred_element_type=jnp.float32)
+    gate, up = jnp.split(u.astype(xs.dtype), 2, axis=-1)
+    a = jax.nn.silu(gate) * up
+    y = lax.ragged_dot(a, down.astype(xs.dtype), group_sizes, preferred_element_type=jnp.float32)
+    return y.astype(xs.dtype)
+
+
+def moe(x: jax.Array, w: dict, cfg: ErnieConfig) -> tuple[jax.Array, jax.Array]:
+    """Dropless MoE block: every (token, expert) assignment is computed, none is capped or dropped.
+
+    x [B,T,H] -> (y [B,T,H], expert ids [B*T,k])
+    """
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    weights, ids = route(x2, w["router"], w["router_bias"], cfg)
+    k = cfg.moe_k
+    order, inverse, sizes = sort_by_expert(ids, cfg.moe_num_experts)
+    ys = grouped_swiglu(x2[order // k], w["experts_up_gate"], w["experts_down"], sizes)
+    ys = ys[inverse].reshape(x2.shape[0], k, -1)
+    y = jnp.einsum("tkh,tk->th", ys, weights.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+    if "shared_up_gate" in w:
+        y = y + swiglu(x2, w["shared_up_gate"], w["shared_down"])
+    return y.reshape(shape), ids

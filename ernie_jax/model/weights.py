@@ -1,0 +1,147 @@
+"""The weights pytree: its structure, shapes, dtypes, random init and parameter counts.
+
+Owns the one canonical layout that loaders fill and the forward pass reads (a plain nested dict):
+
+    embed        [V, H]
+    segments[s]  one dict per LayerSegment, every leaf stacked over that segment's L layers:
+        input_norm [L, H]   post_norm [L, H]   qkv [L, H, (N+2K)*D]   o [L, N*D, H]
+        dense: up_gate [L, H, 2F]   down [L, F, H]
+        moe:   router [L, H, E] (f32)   router_bias [L, E] (f32)
+               experts_up_gate [L, E, H, 2Fm]   experts_down [L, E, Fm, H]
+               (shared experts) shared_up_gate [L, H, 2Fs]   shared_down [L, Fs, H]
+    final_norm   [H]
+    lm_head      [H, V]            (absent when tie_word_embeddings)
+    mtp          (when num_nextn_predict_layers = 1)
+        emb_norm [H]  hidden_norm [H]  proj [2H, H]  layer: one dense decoder layer (no L axis)
+
+Linears keep the Paddle [in, out] orientation so y = x @ W; fused columns are [Q|K|V] and [gate|up].
+Glossary: B batch, T tokens, H hidden, N query heads, K KV heads, D head dim, E experts, F FFN width,
+V vocab, L layers in a segment, P pages.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ernie_jax.config import ErnieConfig, LayerSegment
+
+# Kept in f32 whatever the model dtype: routing decisions must not change with the activation dtype.
+F32_LEAVES = frozenset({"router", "router_bias"})
+
+
+def layer_shapes(cfg: ErnieConfig, kind: str) -> dict[str, tuple[int, ...]]:
+    """Shapes of one decoder layer's leaves (no layer axis)."""
+    H = cfg.hidden_size
+    shapes = {
+        "input_norm": (H,),
+        "post_norm": (H,),
+        "qkv": (H, cfg.q_size + 2 * cfg.kv_size),
+        "o": (cfg.q_size, H),
+    }
+    if kind == "dense":
+        shapes["up_gate"] = (H, 2 * cfg.intermediate_size)
+        shapes["down"] = (cfg.intermediate_size, H)
+    else:
+        E, Fm = cfg.moe_num_experts, cfg.moe_intermediate_size
+        shapes["router"] = (H, E)
+        shapes["router_bias"] = (E,)
+        shapes["experts_up_gate"] = (E, H, 2 * Fm)
+        shapes["experts_down"] = (E, Fm, H)
+        if cfg.moe_num_shared_experts:
+            Fs = cfg.shared_intermediate_size
+            shapes["shared_up_gate"] = (H, 2 * Fs)
+            shapes["shared_down"] = (Fs, H)
+    return shapes
+
+
+def weight_shapes(cfg: ErnieConfig) -> dict[str, Any]:
+    """The full pytree of shapes (tuples), same structure as the weights."""
+    H, V = cfg.hidden_size, cfg.vocab_size
+    tree: dict[str, Any] = {
+        "embed": (V, H),
+        "segments": [
+            {k: (seg.count, *s) for k, s in layer_shapes(cfg, seg.kind).items()} for seg in cfg.layer_segments()
+        ],
+        "final_norm": (H,),
+    }
+    if not cfg.tie_word_embeddings:
+        tree["lm_head"] = (H, V)
+    if cfg.has_mtp:
+        tree["mtp"] = {"emb_norm": (H,), "hidden_norm": (H,), "proj": (2 * H, H),
+                       "layer": layer_shapes(cfg, "dense")}
+    return tree
+
+
+def _is_shape(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(i, int) for i in x)
+
+
+def leaf_dtype(path_key: str, dtype) -> Any:
+    return jnp.float32 if path_key in F32_LEAVES else dtype
+
+
+def abstract_weights(cfg: ErnieConfig, dtype=jnp.bfloat16) -> dict[str, Any]:
+    """ShapeDtypeStructs for every leaf: for AOT compilation and memory plans without allocation."""
+    def to_sds(path, shape):
+        return jax.ShapeDtypeStruct(shape, leaf_dtype(_last_key(path), dtype))
+    return jax.tree_util.tree_map_with_path(to_sds, weight_shapes(cfg), is_leaf=_is_shape)
+
+
+def _last_key(path) -> str:
+    for p in reversed(path):
+        if isinstance(p, jax.tree_util.DictKey):
+            return str(p.key)
+    return ""
+
+
+def init_weights(cfg: ErnieConfig, seed: int = 0, dtype=jnp.bfloat16, scale: float = 0.02) -> dict[str, Any]:
+    """Random weights (for presets, tests and benchmarks): normal(0, scale), norm gains near 1.
+
+    Drawn with numpy on the host: compiling a JAX RNG program for every leaf costs seconds on CPU.
+    """
+    rng = np.random.default_rng(seed)
+    np_dtype = np.dtype(jnp.dtype(dtype))
+
+    def draw(path, shape):
+        name = _last_key(path)
+        if name.endswith("norm"):
+            w = 1.0 + 0.1 * rng.standard_normal(shape, np.float32)
+        elif name == "router_bias":
+            w = 0.01 * rng.standard_normal(shape, np.float32)
+        elif name == "embed":
+            w = rng.standard_normal(shape, np.float32)
+        else:
+            fan_in = shape[-2] if len(shape) >= 2 else 1
+            w = rng.standard_normal(shape, np.float32) * min(scale, 1.0 / math.sqrt(fan_in))
+        return jnp.asarray(w.astype(np.float32 if name in F32_LEAVES else np_dtype))
+
+    return jax.tree_util.tree_map_with_path(draw, weight_shapes(cfg), is_leaf=_is_shape)
+
+
+def param_counts(cfg: ErnieConfig) -> dict[str, int]:
+    """Parameter counts: total (main model), active per token (excl. embedding, incl. lm_head), mtp."""
+    shapes = weight_shapes(cfg)
+    size = lambda t: sum(int(np.prod(s)) for s in jax.tree.leaves(t, is_leaf=_is_shape))  # noqa: E731
+    mtp = size(shapes.pop("mtp", {}))
+    total = size(shapes)
+    H, V = cfg.hidden_size, cfg.vocab_size
+    active = total - V * H  # the embedding is a lookup, not a matmul
+    if cfg.tie_word_embeddings:
+        active += V * H  # the tied head is a matmul
+    per_expert = 3 * H * cfg.moe_intermediate_size
+    idle = cfg.moe_num_experts - cfg.moe_k
+    active -= cfg.num_moe_layers * idle * per_expert
+    return {"total": total, "active": active, "mtp": mtp}
+
+
+def segment_of_layer(cfg: ErnieConfig, layer: int) -> tuple[int, int, LayerSegment]:
+    """(segment index, index inside the segment, segment) of a global layer index."""
+    for s, seg in enumerate(cfg.layer_segments()):
+        if seg.start <= layer < seg.start + seg.count:
+            return s, layer - seg.start, seg
+    raise IndexError(f"layer {layer} out of range [0, {cfg.num_hidden_layers})")
