@@ -56,10 +56,12 @@ def _bucket(n: int, minimum: int = 16) -> int:
 
 class LLM:
     """model: a checkpoint folder, a preset name ("tiny", "ernie-4.5-21b-a3b", ...; random weights) or an
-    ErnieForCausalLM. dtype: "bfloat16" (default) or "float32"."""
+    ErnieForCausalLM. dtype: "bfloat16" (default) or "float32". quantization / fp8_compute: as in
+    load_pretrained. kv_cache_dtype: "auto" (the model dtype), "bfloat16" or "fp8"."""
 
     def __init__(self, model: str | ErnieForCausalLM, *, dtype: str = "bfloat16", seed: int = 0,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, quantization: str | None = None, fp8_compute: str = "w8a8",
+                 kv_cache_dtype: str = "auto"):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
         jdtype = _DTYPES[dtype]
@@ -69,7 +71,7 @@ class LLM:
             self.model = model
         elif isinstance(model, str) and os.path.isdir(model):
             from ernie_jax.checkpoint import load_pretrained
-            self.model = load_pretrained(model, dtype=jdtype)
+            self.model = load_pretrained(model, dtype=jdtype, quantization=quantization, fp8_compute=fp8_compute)
             self.tokenizer = Tokenizer.from_pretrained(model)
             gen_file = os.path.join(model, "generation_config.json")
             if os.path.isfile(gen_file):
@@ -80,6 +82,8 @@ class LLM:
         else:
             raise ValueError(f"model {model!r} is neither a checkpoint folder nor a preset ({sorted(PRESETS)})")
         cfg = self.model.config
+        self.model.init_cache(1, 1, kv_cache_dtype)  # validates the name now rather than at the first request
+        self.kv_cache_dtype = kv_cache_dtype
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         eos = set(cfg.eos_token_id)
         gen_eos = self.generation_config.get("eos_token_id", [])
@@ -166,7 +170,7 @@ class LLM:
                             jnp.uint32)
         stops = [set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids)) for sp in params]
 
-        cache = self.model.init_cache(B, S)
+        cache = self.model.init_cache(B, S, self.kv_cache_dtype)
         positions = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
         out = fwd.forward_cached_jit(w, cfg, jnp.asarray(ids), jnp.asarray(positions), cache, jnp.asarray(lens - 1))
         results: list[list[int]] = [[] for _ in range(B)]

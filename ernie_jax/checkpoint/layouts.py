@@ -48,6 +48,7 @@ class Layout:
     mtp: dict[str, Recipe]
     layer_prefix: str  # with {i}
     mtp_layer_prefix: str
+    kv_scales: dict[str, Recipe] = dataclasses.field(default_factory=dict)  # optional static FP8-KV scales
 
 
 def dims(cfg: ErnieConfig) -> dict[str, int]:
@@ -58,7 +59,7 @@ def dims(cfg: ErnieConfig) -> dict[str, int]:
         "F": cfg.intermediate_size, "F2": 2 * cfg.intermediate_size,
         "Fm": cfg.moe_intermediate_size, "Fm2": 2 * cfg.moe_intermediate_size,
         "Fs": cfg.shared_intermediate_size, "Fs2": 2 * cfg.shared_intermediate_size,
-        "E": cfg.moe_num_experts,
+        "E": cfg.moe_num_experts, "K": cfg.num_key_value_heads,
     }
 
 
@@ -68,6 +69,7 @@ DIM_MEANING = {
     "F": "intermediate_size", "F2": "2*intermediate_size", "Fm": "moe_intermediate_size",
     "Fm2": "2*moe_intermediate_size", "Fs": "moe_num_shared_experts*moe_intermediate_size",
     "Fs2": "2*moe_num_shared_experts*moe_intermediate_size", "E": "moe_num_experts", "1": "1",
+    "K": "num_key_value_heads",
 }
 
 PADDLE = Layout(
@@ -98,6 +100,9 @@ PADDLE = Layout(
     },
     layer_prefix="ernie.layers.{i}.",
     mtp_layer_prefix="ernie.mtp_block.0.",
+    # FastDeploy's static FP8 KV cache: per-KV-head absmax of K and V (after RoPE).
+    kv_scales={"k_scale": Src("self_attn.cachek_matmul.activation_scale", ("K",)),
+               "v_scale": Src("self_attn.cachev_matmul.activation_scale", ("K",))},
 )
 
 
@@ -152,11 +157,6 @@ def detect_layout(keys: set[str], source: str) -> Layout:
     """Pick the layout from the tensor names alone; refuse anything ambiguous rather than guess."""
     from ernie_jax.checkpoint.safetensors_io import CheckpointError
 
-    quantized = sorted(k for k in keys if k.endswith(".quant_weight") or k.endswith(".weight_scale"))
-    if quantized:
-        raise CheckpointError(
-            f"{source}: block-FP8 checkpoint (e.g. {quantized[0]!r}); FP8 weights are not supported by this "
-            "loader yet. Use the BF16 release.")
     if any(k.startswith("ernie.") for k in keys):
         return PADDLE
     if any(k.startswith("model.layers.") and k.endswith("self_attn.qkv_proj.weight") for k in keys):
@@ -166,6 +166,10 @@ def detect_layout(keys: set[str], source: str) -> Layout:
             "depends on the save path and is not recorded in the files, so it cannot be loaded without "
             "guessing. Re-export it with save_to_hf=True (HF layout) or use the official '-Paddle' layout.")
     if "model.embed_tokens.weight" in keys:
+        quantized = sorted(k for k in keys if k.endswith(".quant_weight"))
+        if quantized:
+            raise CheckpointError(f"{source}: block-FP8 tensors (e.g. {quantized[0]!r}) in the HF layout; FP8 "
+                                  "weights are read only in the Paddle release layout")
         return HF
     example = sorted(keys)[:3]
     raise CheckpointError(f"{source}: unrecognised tensor names (e.g. {example}); expected the Paddle release "

@@ -15,7 +15,7 @@ from flax import nnx
 
 from ernie_jax.config import ErnieConfig
 from ernie_jax.model import forward as fwd
-from ernie_jax.model.kv_cache import KVCache
+from ernie_jax.model.kv_cache import KV_CACHE_DTYPES, KVCache
 from ernie_jax.model.weights import init_weights
 
 
@@ -78,8 +78,11 @@ class ErnieForCausalLM(nnx.Module):
         return fwd.forward_cached_jit(self.weights(), self.config, input_ids, jnp.asarray(positions, jnp.int32),
                                       cache, logit_positions)
 
-    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
-        return KVCache.create(self.config, batch, max_len, dtype or self.dtype)
+    def init_cache(self, batch: int, max_len: int, kv_cache_dtype: str = "auto") -> KVCache:
+        """kv_cache_dtype: "auto" (the model dtype), "bfloat16", "float32" or "fp8" (see kv_cache.py)."""
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: expected one of {sorted(KV_CACHE_DTYPES)}")
+        return KVCache.create(self.config, batch, max_len, KV_CACHE_DTYPES[kv_cache_dtype] or self.dtype)
 
     def mtp_logits(self, input_ids: jax.Array) -> jax.Array:
         """MTP logits [B,T-1,V]: row t predicts token t+2 from token t+1 and the main model's state at t."""

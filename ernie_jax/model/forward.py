@@ -27,7 +27,7 @@ class ForwardOutput(NamedTuple):
 
 
 def attention_block(x, w, cfg: ErnieConfig, positions, layer_cache):
-    """x [B,T,H] -> ([B,T,H], updated (k, v) slots or None)."""
+    """x [B,T,H] -> ([B,T,H], the layer's updated cache slots or None)."""
     B, T, _ = x.shape
     qkv = linear(x, w["qkv"])
     q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
@@ -39,10 +39,10 @@ def attention_block(x, w, cfg: ErnieConfig, positions, layer_cache):
     if layer_cache is None:
         out = attention(q, k, v, positions, positions)
     else:
-        ck, cv = kvc.write(*layer_cache, k, v, positions)
+        layer_cache = kvc.write(layer_cache, k, v, positions, (w.get("k_scale"), w.get("v_scale")))
+        ck, cv = kvc.read(layer_cache, q.dtype)
         slots = jnp.broadcast_to(jnp.arange(ck.shape[1]), (B, ck.shape[1]))
-        out = attention(q, ck.astype(q.dtype), cv.astype(q.dtype), positions, slots)
-        layer_cache = (ck, cv)
+        out = attention(q, ck, cv, positions, slots)
     return linear(out, w["o"]), layer_cache
 
 
@@ -75,9 +75,9 @@ def forward(weights: dict[str, Any], cfg: ErnieConfig, input_ids: jax.Array, pos
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     h = weights["embed"][input_ids]
-    new_k, new_v, expert_ids = [], [], []
+    new_segments, expert_ids = [], []
     for s, seg in enumerate(cfg.layer_segments()):
-        seg_cache = None if cache is None else (cache.k[s], cache.v[s])
+        seg_cache = None if cache is None else cache.segment(s)
 
         def body(h, xs, kind=seg.kind):
             w, layer_cache = xs
@@ -85,15 +85,13 @@ def forward(weights: dict[str, Any], cfg: ErnieConfig, input_ids: jax.Array, pos
             return h, (layer_cache, ids)
 
         h, (seg_cache, ids) = lax.scan(body, h, (weights["segments"][s], seg_cache))
-        if cache is not None:
-            new_k.append(seg_cache[0])
-            new_v.append(seg_cache[1])
+        new_segments.append(seg_cache)
         if ids is not None:
             expert_ids.append(ids)
     hidden = rms_norm(h, weights["final_norm"], cfg.rms_norm_eps)
     head_in = hidden if logit_positions is None else hidden[jnp.arange(B), logit_positions]
     logits = lm_head(weights, head_in)
-    new_cache = None if cache is None else kvc.KVCache(k=new_k, v=new_v)
+    new_cache = None if cache is None else kvc.KVCache.from_segments(new_segments)
     return ForwardOutput(logits, hidden, new_cache, tuple(expert_ids))
 
 

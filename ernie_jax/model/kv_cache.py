@@ -1,9 +1,14 @@
-"""A contiguous KV cache: one slot per position, one array per layer segment.
+"""A contiguous KV cache: one slot per position, one array per layer segment; bf16 or FP8.
 
 Slot p of a row holds the K/V of that row's token at position p, so writing is a scatter by position and
 reading masks slots by position (layers.attention). Rows may be right-padded: a padded token writes a slot
-that the row's later real tokens overwrite before any query can see it. The paged cache of the serving
-engine replaces this for continuous batching; this one serves the model API and the simple generate loop.
+that the row's later real tokens overwrite before any query can see it.
+
+FP8 (`kv_cache_dtype="fp8"`): e4m3fn values plus one f32 dequant scale per (token, KV head). The scale is
+dynamic (amax over the head dim / 448, FastDeploy's block_wise_fp8 cache) unless the checkpoint ships
+static per-KV-head scales (`cachek_matmul.activation_scale`, FastDeploy's float8_e4m3fn cache), which are
+then written into the same slots: one read path serves both. Writes saturate at +-448.
+The paged cache of the serving engine replaces this one for continuous batching.
 """
 
 from __future__ import annotations
@@ -14,6 +19,10 @@ import jax
 import jax.numpy as jnp
 
 from ernie_jax.config import ErnieConfig
+from ernie_jax.quant import FP8, FP8_MAX
+
+KV_CACHE_DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "auto": None, "float32": jnp.float32,
+                   "fp8": FP8, "fp8_e4m3": FP8}
 
 
 @jax.tree_util.register_dataclass
@@ -21,13 +30,23 @@ from ernie_jax.config import ErnieConfig
 class KVCache:
     k: list[jax.Array]  # per segment [L, B, S, K, D]
     v: list[jax.Array]
+    k_scale: list[jax.Array] | None = None  # fp8 only: per segment [L, B, S, K] f32
+    v_scale: list[jax.Array] | None = None
 
     @classmethod
     def create(cls, cfg: ErnieConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -> "KVCache":
-        shape = lambda n: (n, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)  # noqa: E731
         segs = cfg.layer_segments()
-        return cls(k=[jnp.zeros(shape(s.count), dtype) for s in segs],
-                   v=[jnp.zeros(shape(s.count), dtype) for s in segs])
+        shape = lambda n: (n, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)  # noqa: E731
+        k = [jnp.zeros(shape(s.count), dtype) for s in segs]
+        v = [jnp.zeros(shape(s.count), dtype) for s in segs]
+        if jnp.dtype(dtype) != jnp.dtype(FP8):
+            return cls(k, v)
+        ones = lambda n: jnp.ones(shape(n)[:-1], jnp.float32)  # noqa: E731
+        return cls(k, v, [ones(s.count) for s in segs], [ones(s.count) for s in segs])
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.k_scale is not None
 
     @property
     def max_len(self) -> int:
@@ -35,11 +54,46 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.k + self.v)
+        return sum(a.nbytes for a in jax.tree.leaves(self))
+
+    def segment(self, s: int) -> dict[str, jax.Array]:
+        seg = {"k": self.k[s], "v": self.v[s]}
+        if self.is_fp8:
+            seg.update(k_scale=self.k_scale[s], v_scale=self.v_scale[s])
+        return seg
+
+    @classmethod
+    def from_segments(cls, segs: list[dict[str, jax.Array]]) -> "KVCache":
+        scales = "k_scale" in segs[0]
+        return cls([s["k"] for s in segs], [s["v"] for s in segs],
+                   [s["k_scale"] for s in segs] if scales else None, [s["v_scale"] for s in segs] if scales else None)
 
 
-def write(cache_k: jax.Array, cache_v: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array):
+def _quantize(x: jax.Array, static_scale: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """x [B,T,K,D] -> (fp8 values, dequant scales [B,T,K])."""
+    xf = x.astype(jnp.float32)
+    if static_scale is None:
+        scale = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1), 1e-10) / FP8_MAX
+    else:
+        scale = jnp.broadcast_to(static_scale.astype(jnp.float32), xf.shape[:-1])
+    return jnp.clip(xf / scale[..., None], -FP8_MAX, FP8_MAX).astype(FP8), scale
+
+
+def write(layer: dict[str, jax.Array], k: jax.Array, v: jax.Array, positions: jax.Array,
+          static_scales: tuple[jax.Array | None, jax.Array | None] = (None, None)) -> dict[str, jax.Array]:
     """Store k, v [B,T,K,D] into one layer's slots [B,S,K,D] at `positions` [B,T]."""
     rows = jnp.arange(k.shape[0])[:, None]
-    return cache_k.at[rows, positions].set(k.astype(cache_k.dtype)), cache_v.at[rows, positions].set(
-        v.astype(cache_v.dtype))
+    out = dict(layer)
+    for name, x, static in (("k", k, static_scales[0]), ("v", v, static_scales[1])):
+        if f"{name}_scale" in layer:
+            x, scale = _quantize(x, static)
+            out[f"{name}_scale"] = layer[f"{name}_scale"].at[rows, positions].set(scale)
+        out[name] = layer[name].at[rows, positions].set(x.astype(layer[name].dtype))
+    return out
+
+
+def read(layer: dict[str, jax.Array], dtype) -> tuple[jax.Array, jax.Array]:
+    """All slots of one layer as (k, v) [B,S,K,D] in `dtype`."""
+    if "k_scale" not in layer:
+        return layer["k"].astype(dtype), layer["v"].astype(dtype)
+    return tuple((layer[n].astype(jnp.float32) * layer[f"{n}_scale"][..., None]).astype(dtype) for n in ("k", "v"))

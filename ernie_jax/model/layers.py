@@ -15,12 +15,15 @@ import jax.numpy as jnp
 from jax import lax
 
 from ernie_jax.config import ErnieConfig
+from ernie_jax.quant import BlockFP8, fp8_linear, fp8_ragged_dot
 
 _NEG_INF = -1e30
 
 
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+def linear(x: jax.Array, w) -> jax.Array:
     """y = x @ w with w in the Paddle [in, out] orientation; the one place matmul numerics are chosen."""
+    if isinstance(w, BlockFP8):
+        return fp8_linear(x, w)
     return jnp.einsum("...i,io->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
 
 
@@ -93,11 +96,15 @@ def sort_by_expert(ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Arr
 
 def grouped_swiglu(xs: jax.Array, up_gate: jax.Array, down: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """SwiGLU experts over rows sorted by expert (ragged groups): xs [M,H], up_gate [E,H,2F], down [E,F,H]."""
-    u = lax.ragged_dot(xs, up_gate.astype(xs.dtype), group_sizes, preferred_element_type=jnp.float32)
+    u = _ragged_dot(xs, up_gate, group_sizes)
     gate, up = jnp.split(u.astype(xs.dtype), 2, axis=-1)
-    a = jax.nn.silu(gate) * up
-    y = lax.ragged_dot(a, down.astype(xs.dtype), group_sizes, preferred_element_type=jnp.float32)
-    return y.astype(xs.dtype)
+    return _ragged_dot(jax.nn.silu(gate) * up, down, group_sizes).astype(xs.dtype)
+
+
+def _ragged_dot(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
+    if isinstance(w, BlockFP8):
+        return fp8_ragged_dot(x, w, group_sizes)
+    return lax.ragged_dot(x, w.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
 
 
 def moe(x: jax.Array, w: dict, cfg: ErnieConfig) -> tuple[jax.Array, jax.Array]:

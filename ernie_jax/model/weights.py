@@ -29,9 +29,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from ernie_jax.config import ErnieConfig, LayerSegment
+from ernie_jax.quant import FP8, BlockFP8, quantize_block_fp8, scale_shape
 
 # Kept in f32 whatever the model dtype: routing decisions must not change with the activation dtype.
-F32_LEAVES = frozenset({"router", "router_bias"})
+F32_LEAVES = frozenset({"router", "router_bias", "k_scale", "v_scale"})
+# The linears that the FP8 release stores block-quantized (embedding, norms, router and LM head stay).
+QUANTIZABLE = frozenset({"qkv", "o", "up_gate", "down", "experts_up_gate", "experts_down", "shared_up_gate",
+                         "shared_down", "proj"})
 
 
 def layer_shapes(cfg: ErnieConfig, kind: str) -> dict[str, tuple[int, ...]]:
@@ -85,11 +89,27 @@ def leaf_dtype(path_key: str, dtype) -> Any:
     return jnp.float32 if path_key in F32_LEAVES else dtype
 
 
-def abstract_weights(cfg: ErnieConfig, dtype=jnp.bfloat16) -> dict[str, Any]:
+def abstract_weights(cfg: ErnieConfig, dtype=jnp.bfloat16, quantization: str | None = None) -> dict[str, Any]:
     """ShapeDtypeStructs for every leaf: for AOT compilation and memory plans without allocation."""
     def to_sds(path, shape):
-        return jax.ShapeDtypeStruct(shape, leaf_dtype(_last_key(path), dtype))
+        name = _last_key(path)
+        if quantization == "fp8" and name in QUANTIZABLE:
+            return BlockFP8(jax.ShapeDtypeStruct(shape, FP8), jax.ShapeDtypeStruct(scale_shape(shape), jnp.float32))
+        return jax.ShapeDtypeStruct(shape, leaf_dtype(name, dtype))
     return jax.tree_util.tree_map_with_path(to_sds, weight_shapes(cfg), is_leaf=_is_shape)
+
+
+def quantize_weights(weights: dict[str, Any], compute: str = "w8a8") -> dict[str, Any]:
+    """Block-FP8-quantize every QUANTIZABLE leaf (already-quantized leaves only get `compute` set)."""
+    def walk(tree, name=""):
+        if isinstance(tree, dict):
+            return {k: walk(v, k) for k, v in tree.items()}
+        if isinstance(tree, list):
+            return [walk(v, name) for v in tree]
+        if isinstance(tree, BlockFP8):
+            return tree.with_compute(compute)
+        return quantize_block_fp8(tree, compute=compute) if name in QUANTIZABLE else tree
+    return walk(weights)
 
 
 def _last_key(path) -> str:
