@@ -15,10 +15,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from ernie_jax.checkpoint.orbax_io import is_orbax_checkpoint, read_flat
 from ernie_jax.checkpoint.plan import CheckpointPlan, stack
 from ernie_jax.checkpoint.safetensors_io import CheckpointError
 from ernie_jax.config import ErnieConfig
-from ernie_jax.model.weights import quantize_weights
+from ernie_jax.model.weights import F32_LEAVES, quantize_weights
 from ernie_jax.quant import COMPUTE_MODES, BlockFP8
 
 
@@ -77,7 +78,13 @@ def load_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *, quantization
         raise ValueError(f"fp8_compute={fp8_compute!r}: expected one of {COMPUTE_MODES}")
     path = os.fspath(path)
     cfg = ErnieConfig.from_pretrained(path)
-    weights, cfg = read_weights(path, cfg, dtype)
+    if is_orbax_checkpoint(path):
+        np_dtype = np.dtype(ml_dtypes.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else np.dtype(jnp.dtype(dtype).name)
+        keep = lambda p, v: isinstance(v, BlockFP8) or p[-1] in F32_LEAVES  # noqa: E731
+        flat = {p: v if keep(p, v) else v.astype(np_dtype) for p, v in read_flat(path).items()}
+        weights = assemble(flat, cfg)
+    else:
+        weights, cfg = read_weights(path, cfg, dtype)
     weights = jax.tree.map(jnp.asarray, weights)
     if quantization == "fp8" or _has_fp8(weights):
         weights = quantize_weights(weights, fp8_compute)

@@ -107,8 +107,19 @@ def read_tensor(info: TensorInfo, bitcast: bool = True) -> np.ndarray:
 class SafetensorsCheckpoint:
     """All tensors of a checkpoint folder: the index (if any), its shards and an optional `mtp/` subfolder."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, index_only: bool = False):
+        """index_only: take the tensor names from model.safetensors.index.json alone (no shard files needed;
+        `info()` is then None) — for checking a release's tensor list before downloading it."""
         self.path = os.fspath(path)
+        self.tensors: dict[str, TensorInfo | None] = {}
+        if index_only:
+            for folder in (self.path, os.path.join(self.path, "mtp")):
+                index = os.path.join(folder, "model.safetensors.index.json")
+                if os.path.isfile(index):
+                    self.tensors.update(dict.fromkeys(self._weight_map(index)))
+            if not self.tensors:
+                raise CheckpointError(f"no model.safetensors.index.json in {self.path!r}")
+            return
         if os.path.isfile(self.path):
             files = [self.path]
         else:
@@ -118,7 +129,6 @@ class SafetensorsCheckpoint:
                 files += self._shard_files(mtp_dir)
         if not files:
             raise CheckpointError(f"no *.safetensors files in {self.path!r}")
-        self.tensors: dict[str, TensorInfo] = {}
         for file in files:
             for name, info in read_header(file).items():
                 if name in self.tensors:
@@ -130,17 +140,23 @@ class SafetensorsCheckpoint:
     def _shard_files(folder: str) -> list[str]:
         index = os.path.join(folder, "model.safetensors.index.json")
         if os.path.isfile(index):
-            try:
-                with open(index) as f:
-                    weight_map = json.load(f)["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
-            files = sorted(set(weight_map.values()))
+            files = sorted(set(SafetensorsCheckpoint._weight_map(index).values()))
             missing = [f for f in files if not os.path.isfile(os.path.join(folder, f))]
             if missing:
                 raise CheckpointError(f"{index} lists shard files that do not exist: {missing}")
             return [os.path.join(folder, f) for f in files]
         return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors"))
+
+    @staticmethod
+    def _weight_map(index: str) -> dict[str, str]:
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+            return weight_map
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -148,11 +164,53 @@ class SafetensorsCheckpoint:
     def keys(self) -> Iterable[str]:
         return self.tensors.keys()
 
-    def info(self, name: str) -> TensorInfo:
+    def info(self, name: str) -> TensorInfo | None:
         return self.tensors[name]
 
     def read(self, name: str) -> np.ndarray:
         return read_tensor(self.tensors[name])
+
+
+class SafetensorsWriter:
+    """Writes one safetensors file tensor by tensor: the header (all names, dtypes and shapes) first, then
+    each tensor's bytes as it arrives, so only one tensor is ever held. The file appears under its final
+    name only after `close()` checked that every announced tensor was written (`.partial` until then)."""
+
+    def __init__(self, file: str, specs: list[tuple[str, str, tuple[int, ...]]], metadata: dict | None = None):
+        self.file, self.tmp = file, file + ".partial"
+        header: dict = {"__metadata__": metadata or {"format": "np"}}
+        offset = 0
+        self.order = []
+        for name, dname, shape in specs:
+            n = int(np.prod(shape, dtype=np.int64)) * DTYPES[dname][0].itemsize
+            header[name] = {"dtype": dname, "shape": list(shape), "data_offsets": [offset, offset + n]}
+            self.order.append((name, dname, tuple(shape)))
+            offset += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.nbytes = offset
+        self.f = open(self.tmp, "wb")
+        self.f.write(struct.pack("<Q", len(raw)) + raw)
+        self.next = 0
+
+    def write(self, name: str, arr: np.ndarray) -> None:
+        want, dname, shape = self.order[self.next]
+        arr = np.ascontiguousarray(arr)
+        if name != want or arr.shape != shape or DTYPES[dname][0].itemsize != arr.dtype.itemsize:
+            raise ValueError(f"{self.file}: expected {want} {list(shape)} ({dname}) next, got {name} "
+                             f"{list(arr.shape)} ({arr.dtype})")
+        self.f.write(arr.tobytes())
+        self.next += 1
+
+    def close(self) -> None:
+        self.f.close()
+        if self.next != len(self.order):
+            raise ValueError(f"{self.file}: {len(self.order) - self.next} announced tensors were never written")
+        os.replace(self.tmp, self.file)
+
+
+def dtype_name(arr: np.ndarray) -> str:
+    return _WRITE_NAMES[arr.dtype]
 
 
 def save_file(tensors: dict[str, np.ndarray], file: str, metadata: dict[str, str] | None = None,
@@ -160,23 +218,8 @@ def save_file(tensors: dict[str, np.ndarray], file: str, metadata: dict[str, str
     """Write a safetensors file. `dtype_names` overrides the header dtype per tensor (e.g. "U16" for bf16
     bits, "I8" for fp8 bits) as long as the item size matches."""
     dtype_names = dtype_names or {}
-    header: dict = {"__metadata__": metadata or {"format": "np"}}
-    offset = 0
-    arrays = []
-    for name, arr in tensors.items():
-        arr = np.ascontiguousarray(arr)
-        dname = dtype_names.get(name) or _WRITE_NAMES[arr.dtype]
-        if DTYPES[dname][0].itemsize != arr.dtype.itemsize:
-            raise ValueError(f"cannot store {arr.dtype} tensor {name!r} as {dname}")
-        header[name] = {"dtype": dname, "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
-        offset += arr.nbytes
-        arrays.append(arr)
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    tmp = file + ".partial"
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for arr in arrays:
-            f.write(arr.tobytes())
-    os.replace(tmp, file)
+    specs = [(k, dtype_names.get(k) or dtype_name(np.asarray(v)), np.shape(v)) for k, v in tensors.items()]
+    w = SafetensorsWriter(file, specs, metadata)
+    for k, v in tensors.items():
+        w.write(k, np.asarray(v))
+    w.close()

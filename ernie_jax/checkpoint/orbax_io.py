@@ -1,0 +1,81 @@
+"""The ernie_jax checkpoint format: an Orbax PyTree checkpoint of per-layer, per-expert tensors.
+
+Folder: `config.json` (+ generation config, tokenizer files), `ernie_jax_checkpoint.json` (format marker,
+written last) and `state/` (Orbax). The tree mirrors CheckpointPlan task paths, e.g.
+`layers/17/experts_up_gate/5` with a BlockFP8 stored as {values, scales}: one stored tensor per stored
+source tensor, so a converter holds one tensor at a time (Orbax partial saves) and a sharded restore can
+read only what each device owns.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from ernie_jax.checkpoint.safetensors_io import CheckpointError
+from ernie_jax.quant import BlockFP8
+
+MARKER = "ernie_jax_checkpoint.json"
+FORMAT = "ernie_jax-orbax"
+VERSION = 1
+
+
+def is_orbax_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MARKER))
+
+
+def _nest(path: tuple, value) -> dict:
+    leaf: Any = {"values": value.values, "scales": value.scales} if isinstance(value, BlockFP8) else value
+    for key in reversed(path):
+        leaf = {str(key): leaf}
+    return leaf
+
+
+class OrbaxWriter:
+    """Adds tensors one at a time to `<folder>/state` (an Orbax partial-save session)."""
+
+    def __init__(self, folder: str):
+        from orbax.checkpoint.experimental.v1 import partial
+        self._partial = partial
+        self.state = os.path.join(folder, "state")
+
+    def add(self, path: tuple, value: np.ndarray | BlockFP8) -> None:
+        self._partial.save(self.state, _nest(path, value))
+
+    def finalize(self) -> None:
+        self._partial.finalize(self.state)
+
+
+def write_marker(folder: str, **info) -> None:
+    with open(os.path.join(folder, MARKER), "w") as f:
+        json.dump({"format": FORMAT, "version": VERSION, **info}, f, indent=2)
+
+
+def read_flat(folder: str) -> dict[tuple, np.ndarray | BlockFP8]:
+    """All tensors keyed by task path (ints restored), BlockFP8 rebuilt from {values, scales}."""
+    with open(os.path.join(folder, MARKER)) as f:
+        marker = json.load(f)
+    if marker.get("format") != FORMAT or marker.get("version") != VERSION:
+        raise CheckpointError(f"{folder}/{MARKER}: unsupported format {marker.get('format')!r} version "
+                              f"{marker.get('version')!r} (expected {FORMAT!r} {VERSION})")
+    import orbax.checkpoint.experimental.v1 as ocp
+    state = os.path.join(folder, "state")
+    if not os.path.isdir(state):
+        raise CheckpointError(f"{folder}: no state/ folder; the conversion did not finish")
+    tree = ocp.load_pytree(state)
+    block = int(marker.get("fp8_block", 128))
+    flat: dict[tuple, Any] = {}
+
+    def walk(node, path):
+        if isinstance(node, dict) and set(node) == {"values", "scales"}:
+            flat[path] = BlockFP8(np.asarray(node["values"]), np.asarray(node["scales"]), block=block)
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, path + (int(k) if k.isdigit() else k,))
+        else:
+            flat[path] = np.asarray(node)
+    walk(tree, ())
+    return flat
