@@ -30,7 +30,7 @@ from converters.progress import Progress
 from ernie_jax.checkpoint.orbax_io import OrbaxWriter, write_marker
 from ernie_jax.checkpoint.plan import CheckpointPlan
 from ernie_jax.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint
-from ernie_jax.config import ErnieConfig
+from ernie_jax.config import ConfigError, ErnieConfig
 from ernie_jax.model.weights import QUANTIZABLE
 from ernie_jax.quant import BlockFP8, dequantize, quantize_block_fp8
 
@@ -94,7 +94,10 @@ def convert(src: str, dst: str, dtype: str | None = None, quiet: bool = False) -
     tmp = dst.rstrip("/") + ".partial"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    writer = OrbaxWriter(tmp)
+    largest = max((plan.ckpt.info(k).nbytes for t in plan.tasks for k, _, _, _ in plan.keys_of(t) if k in plan.ckpt),
+                  default=0)
+    # Orbax holds about two copies of a batch while writing it: half the largest tensor keeps the peak near 3x it.
+    writer = OrbaxWriter(tmp, batch_bytes=max(largest // 2, 16 << 20))
     progress = None if quiet else Progress(plan.nbytes(), "paddle_to_jax")
     for task in plan.tasks:
         value = plan.read(task, ml_dtypes.bfloat16)
@@ -149,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         convert(args.src, args.dst, args.dtype)
         print(f"wrote {args.dst}")
         return 0
-    except CheckpointError as e:
+    except (CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 

@@ -18,6 +18,7 @@ Every cast to FP8 saturates (clip to +-448 first): a plain cast overflows to NaN
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +63,7 @@ def _saturating_fp8(x: jax.Array) -> jax.Array:
     return jnp.clip(x, -FP8_MAX, FP8_MAX).astype(FP8)
 
 
+@functools.partial(jax.jit, static_argnames=("block", "compute"))
 def quantize_block_fp8(w, block: int = 128, compute: str = "w8a8") -> BlockFP8:
     """FastDeploy's per_block_cast_to_fp8 for any shape (partial edge blocks included): amax per block,
     clamped at 1e-4, values = fp8(w * 448/amax) saturated, scales = amax/448."""

@@ -219,3 +219,17 @@ def test_corrupt_fp8_shard(fp8_copy):
     f.write_bytes(bytes(raw))
     with pytest.raises(CheckpointError, match="model.safetensors: corrupt"):
         load_pretrained(fp8_copy)
+
+
+@pytest.mark.parametrize("name", ["shared_untied", "interval2_headdim"])
+def test_accuracy_report_bounds(name):
+    """Bounds for benchmarks/fp8_accuracy.py on the tiny random models (measured, then ~2x margin)."""
+    from ernie_jax.accuracy import fp8_report
+    cfg = ErnieConfig.from_pretrained(GOLDEN / name / "paddle")
+    ids = np.random.default_rng(0).integers(3, cfg.vocab_size, (2, 32)).astype(np.int32)
+    r = fp8_report(str(GOLDEN / name / "paddle"), ids)
+    assert r["fp8 weight-only"]["kl"] < 0.06 and r["fp8 weight-only"]["top1_agreement"] >= 0.7
+    assert r["fp8 w8a8"]["kl"] < 0.1 and r["fp8 w8a8"]["top1_agreement"] >= 0.55
+    assert r["fp8 kv cache"]["kl"] < 0.03 and r["fp8 kv cache"]["top1_agreement"] >= 0.75
+    assert r["bf16 kv cache"]["kl"] < 1e-3 and r["bf16 kv cache"]["top1_agreement"] >= 0.95
+    assert r["bf16 kv cache"]["kl"] < r["fp8 kv cache"]["kl"]

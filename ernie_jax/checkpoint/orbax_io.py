@@ -27,25 +27,36 @@ def is_orbax_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MARKER))
 
 
-def _nest(path: tuple, value) -> dict:
-    leaf: Any = {"values": value.values, "scales": value.scales} if isinstance(value, BlockFP8) else value
-    for key in reversed(path):
-        leaf = {str(key): leaf}
-    return leaf
-
-
 class OrbaxWriter:
-    """Adds tensors one at a time to `<folder>/state` (an Orbax partial-save session)."""
+    """Adds tensors to `<folder>/state` (an Orbax partial-save session) in batches of about `batch_bytes`:
+    each partial save costs time that grows with the leaves already saved, so saving tensor by tensor is
+    quadratic, while a batch the size of the largest tensor keeps memory near that tensor."""
 
-    def __init__(self, folder: str):
+    def __init__(self, folder: str, batch_bytes: int):
         from orbax.checkpoint.experimental.v1 import partial
         self._partial = partial
         self.state = os.path.join(folder, "state")
+        self.batch_bytes = batch_bytes
+        self._batch: dict = {}
+        self._bytes = 0
 
     def add(self, path: tuple, value: np.ndarray | BlockFP8) -> None:
-        self._partial.save(self.state, _nest(path, value))
+        node = self._batch
+        for key in path[:-1]:
+            node = node.setdefault(str(key), {})
+        node[str(path[-1])] = {"values": value.values, "scales": value.scales} if isinstance(value, BlockFP8) \
+            else value
+        self._bytes += value.nbytes
+        if self._bytes >= self.batch_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._batch:
+            self._partial.save(self.state, self._batch)
+            self._batch, self._bytes = {}, 0
 
     def finalize(self) -> None:
+        self.flush()
         self._partial.finalize(self.state)
 
 
@@ -65,7 +76,7 @@ def read_flat(folder: str) -> dict[tuple, np.ndarray | BlockFP8]:
     state = os.path.join(folder, "state")
     if not os.path.isdir(state):
         raise CheckpointError(f"{folder}: no state/ folder; the conversion did not finish")
-    tree = ocp.load_pytree(state)
+    tree = ocp.load(state)
     block = int(marker.get("fp8_block", 128))
     flat: dict[tuple, Any] = {}
 

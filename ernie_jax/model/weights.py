@@ -9,12 +9,14 @@ Owns the one canonical layout that loaders fill and the forward pass reads (a pl
         moe:   router [L, H, E] (f32)   router_bias [L, E] (f32)
                experts_up_gate [L, E, H, 2Fm]   experts_down [L, E, Fm, H]
                (shared experts) shared_up_gate [L, H, 2Fs]   shared_down [L, Fs, H]
+        optional static FP8 KV-cache scales: k_scale [L, K]  v_scale [L, K] (f32 dequant multipliers)
     final_norm   [H]
     lm_head      [H, V]            (absent when tie_word_embeddings)
     mtp          (when num_nextn_predict_layers = 1)
         emb_norm [H]  hidden_norm [H]  proj [2H, H]  layer: one dense decoder layer (no L axis)
 
 Linears keep the Paddle [in, out] orientation so y = x @ W; fused columns are [Q|K|V] and [gate|up].
+In an FP8 model every QUANTIZABLE leaf is a quant.BlockFP8 (values and scales with the same leading axes).
 Glossary: B batch, T tokens, H hidden, N query heads, K KV heads, D head dim, E experts, F FFN width,
 V vocab, L layers in a segment, P pages.
 """
