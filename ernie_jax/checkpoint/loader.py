@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.sharding import Mesh
 
 from ernie_jax.checkpoint.orbax_io import is_orbax_checkpoint, read_flat
 from ernie_jax.checkpoint.plan import CheckpointPlan, stack
@@ -61,14 +62,17 @@ def assemble(flat: dict[tuple, Any], cfg: ErnieConfig) -> dict[str, Any]:
 
 
 def load_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *, quantization: str | None = None,
-                    fp8_compute: str = "w8a8"):
-    """Load an ERNIE-4.5 MoE checkpoint folder (Paddle release or HF layout, one file or sharded).
+                    fp8_compute: str = "w8a8", mesh=None, sharding: str | dict = "tp_ep"):
+    """Load an ERNIE-4.5 MoE checkpoint folder (Paddle release or HF layout, one file or sharded, or an
+    ernie_jax Orbax checkpoint written by converters.paddle_to_jax).
 
     dtype: the activation and floating-point weight dtype (bf16 default; f32 for exact parity checks). The
     router and its correction bias are always f32.
     quantization: None keeps the checkpoint's weights as stored (an FP8 release stays FP8); "fp8"
     block-quantizes a BF16 checkpoint's linears at load time.
     fp8_compute: numerics of the FP8 linears, "w8a8" (default, FastDeploy's) or "weight_only" (see quant.py).
+    mesh: a jax Mesh, or a spec for sharding.make_mesh (8, "data=1,expert=4,tensor=2"); each tensor then goes
+    from host memory straight to its shards under the `sharding` rules (a preset name or a rules table).
     """
     from ernie_jax.model.ernie import ErnieForCausalLM
 
@@ -85,10 +89,15 @@ def load_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *, quantization
         weights = assemble(flat, cfg)
     else:
         weights, cfg = read_weights(path, cfg, dtype)
-    weights = jax.tree.map(jnp.asarray, weights)
     if quantization == "fp8" or _has_fp8(weights):
         weights = quantize_weights(weights, fp8_compute)
-    return ErnieForCausalLM(cfg, weights, dtype=dtype)
+    if mesh is None:
+        return ErnieForCausalLM(cfg, jax.tree.map(jnp.asarray, weights), dtype=dtype)
+    from ernie_jax.sharding import ShardingPlan, make_mesh, shard_weights
+    plan = ShardingPlan.create(mesh if isinstance(mesh, Mesh) else make_mesh(mesh), sharding)
+    model = ErnieForCausalLM(cfg, shard_weights(weights, plan), dtype=dtype)
+    model.plan = plan
+    return model
 
 
 def _has_fp8(weights) -> bool:

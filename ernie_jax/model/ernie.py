@@ -49,6 +49,7 @@ class ErnieForCausalLM(nnx.Module):
             seed = int(jax.random.key_data(rngs.params()).ravel()[-1]) if rngs is not None else 0
             weights = init_weights(config, seed, dtype)
         self.config = config
+        self.plan = None  # a ShardingPlan once placed on a mesh (see shard())
         self.embed = nnx.Param(weights["embed"])
         self.segments = _to_nnx(weights["segments"])
         self.final_norm = nnx.Param(weights["final_norm"])
@@ -72,17 +73,31 @@ class ErnieForCausalLM(nnx.Module):
         """Forward with optional KV cache (incremental decoding). The cache argument is donated."""
         input_ids = jnp.asarray(input_ids, jnp.int32)
         if cache is None:
-            return fwd.forward_jit(self.weights(), self.config, input_ids, positions, logit_positions)
+            return fwd.forward_jit(self.weights(), self.config, input_ids, positions, logit_positions, self.plan)
         if positions is None:
             raise ValueError("forward with a cache needs explicit positions [B,T]")
         return fwd.forward_cached_jit(self.weights(), self.config, input_ids, jnp.asarray(positions, jnp.int32),
-                                      cache, logit_positions)
+                                      cache, logit_positions, self.plan)
 
     def init_cache(self, batch: int, max_len: int, kv_cache_dtype: str = "auto") -> KVCache:
-        """kv_cache_dtype: "auto" (the model dtype), "bfloat16", "float32" or "fp8" (see kv_cache.py)."""
+        """kv_cache_dtype: "auto" (the model dtype), "bfloat16", "float32" or "fp8" (see kv_cache.py).
+        On a sharded model the cache is sharded by the same plan (KV heads over the tensor axis)."""
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: expected one of {sorted(KV_CACHE_DTYPES)}")
-        return KVCache.create(self.config, batch, max_len, KV_CACHE_DTYPES[kv_cache_dtype] or self.dtype)
+        cache = KVCache.create(self.config, batch, max_len, KV_CACHE_DTYPES[kv_cache_dtype] or self.dtype)
+        return cache if self.plan is None else jax.device_put(cache, cache.shardings(self.plan))
+
+    def device_bytes(self) -> dict[str, int]:
+        """Parameter bytes resident on each device."""
+        from ernie_jax.sharding.placement import device_bytes
+        return device_bytes(self.weights())
+
+    def shard(self, plan) -> "ErnieForCausalLM":
+        """This model with every weight placed on plan.mesh by plan's rules (a new module; self unchanged)."""
+        from ernie_jax.sharding.placement import shard_weights
+        model = ErnieForCausalLM(self.config, shard_weights(self.weights(), plan), dtype=self.dtype)
+        model.plan = plan
+        return model
 
     def mtp_logits(self, input_ids: jax.Array) -> jax.Array:
         """MTP logits [B,T-1,V]: row t predicts token t+2 from token t+1 and the main model's state at t."""

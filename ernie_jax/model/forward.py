@@ -17,6 +17,8 @@ from jax import lax
 from ernie_jax.config import ErnieConfig
 from ernie_jax.model import kv_cache as kvc
 from ernie_jax.model.layers import attention, linear, moe, rms_norm, rope, swiglu
+from ernie_jax.sharding.expert_parallel import moe_ep
+from ernie_jax.sharding.rules import HIDDEN, KV_HEADS, Q_HEADS, ShardingPlan
 
 
 class ForwardOutput(NamedTuple):
@@ -26,7 +28,13 @@ class ForwardOutput(NamedTuple):
     expert_ids: tuple[jax.Array, ...]  # per MoE segment [L, B*T, k]
 
 
-def attention_block(x, w, cfg: ErnieConfig, positions, layer_cache):
+def _constrain(x, plan, logical):
+    if plan is None:
+        return x
+    return lax.with_sharding_constraint(x, plan.activation(logical, x.shape))
+
+
+def attention_block(x, w, cfg: ErnieConfig, positions, layer_cache, plan=None):
     """x [B,T,H] -> ([B,T,H], the layer's updated cache slots or None)."""
     B, T, _ = x.shape
     qkv = linear(x, w["qkv"])
@@ -36,6 +44,7 @@ def attention_block(x, w, cfg: ErnieConfig, positions, layer_cache):
     k = rope(k.reshape(B, T, cfg.num_key_value_heads, cfg.head_dim), positions, cfg.rope_theta,
              cfg.compression_ratio)
     v = v.reshape(B, T, cfg.num_key_value_heads, cfg.head_dim)
+    q, k, v = _constrain(q, plan, Q_HEADS), _constrain(k, plan, KV_HEADS), _constrain(v, plan, KV_HEADS)
     if layer_cache is None:
         out = attention(q, k, v, positions, positions)
     else:
@@ -46,17 +55,19 @@ def attention_block(x, w, cfg: ErnieConfig, positions, layer_cache):
     return linear(out, w["o"]), layer_cache
 
 
-def decoder_layer(h, w, kind: str, cfg: ErnieConfig, positions, layer_cache=None):
+def decoder_layer(h, w, kind: str, cfg: ErnieConfig, positions, layer_cache=None, plan=None):
     """Pre-norm residual block. Returns (h, layer_cache, expert ids or None)."""
     a, layer_cache = attention_block(rms_norm(h, w["input_norm"], cfg.rms_norm_eps), w, cfg, positions,
-                                     layer_cache)
+                                     layer_cache, plan)
     h = h + a
     x = rms_norm(h, w["post_norm"], cfg.rms_norm_eps)
     if kind == "dense":
         y, ids = swiglu(x, w["up_gate"], w["down"]), None
-    else:
+    elif plan is None:
         y, ids = moe(x, w, cfg)
-    return h + y, layer_cache, ids
+    else:
+        y, ids = moe_ep(x, w, cfg, plan)
+    return _constrain(h + y, plan, HIDDEN), layer_cache, ids
 
 
 def lm_head(weights, h: jax.Array) -> jax.Array:
@@ -67,21 +78,23 @@ def lm_head(weights, h: jax.Array) -> jax.Array:
 
 
 def forward(weights: dict[str, Any], cfg: ErnieConfig, input_ids: jax.Array, positions: jax.Array | None = None,
-            cache: kvc.KVCache | None = None, logit_positions: jax.Array | None = None) -> ForwardOutput:
+            cache: kvc.KVCache | None = None, logit_positions: jax.Array | None = None,
+            plan: ShardingPlan | None = None) -> ForwardOutput:
     """input_ids [B,T] int; positions [B,T] (default 0..T-1); with `cache`, K/V are written at `positions`
     and attention reads every filled slot, which is how incremental decoding works.
-    `logit_positions` [B]: compute logits only at these token indices (e.g. the last prompt token)."""
+    `logit_positions` [B]: compute logits only at these token indices (e.g. the last prompt token).
+    `plan`: run sharded on plan.mesh (weights and cache placed by the same plan); None runs unsharded."""
     B, T = input_ids.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    h = weights["embed"][input_ids]
+    h = _constrain(weights["embed"][input_ids], plan, HIDDEN)
     new_segments, expert_ids = [], []
     for s, seg in enumerate(cfg.layer_segments()):
         seg_cache = None if cache is None else cache.segment(s)
 
         def body(h, xs, kind=seg.kind):
             w, layer_cache = xs
-            h, layer_cache, ids = decoder_layer(h, w, kind, cfg, positions, layer_cache)
+            h, layer_cache, ids = decoder_layer(h, w, kind, cfg, positions, layer_cache, plan)
             return h, (layer_cache, ids)
 
         h, (seg_cache, ids) = lax.scan(body, h, (weights["segments"][s], seg_cache))
@@ -111,14 +124,17 @@ def mtp_forward(weights: dict[str, Any], cfg: ErnieConfig, next_ids: jax.Array, 
     return lm_head(weights, rms_norm(u, weights["final_norm"], cfg.rms_norm_eps))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def forward_jit(weights, cfg, input_ids, positions=None, logit_positions=None) -> ForwardOutput:
-    return forward(weights, cfg, input_ids, positions, None, logit_positions)
+@functools.partial(jax.jit, static_argnames=("cfg", "plan"))
+def forward_jit(weights, cfg, input_ids, positions=None, logit_positions=None, plan=None) -> ForwardOutput:
+    return forward(weights, cfg, input_ids, positions, None, logit_positions, plan)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def forward_cached_jit(weights, cfg, input_ids, positions, cache, logit_positions=None) -> ForwardOutput:
-    return forward(weights, cfg, input_ids, positions, cache, logit_positions)
+@functools.partial(jax.jit, static_argnames=("cfg", "plan"), donate_argnames=("cache",))
+def forward_cached_jit(weights, cfg, input_ids, positions, cache, logit_positions=None, plan=None) -> ForwardOutput:
+    out = forward(weights, cfg, input_ids, positions, cache, logit_positions, plan)
+    if plan is not None:  # the cache leaves as it came in, sharded by KV heads
+        out = out._replace(cache=jax.tree.map(lax.with_sharding_constraint, out.cache, out.cache.shardings(plan)))
+    return out
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))

@@ -44,6 +44,11 @@ class KVCache:
         ones = lambda n: jnp.ones(shape(n)[:-1], jnp.float32)  # noqa: E731
         return cls(k, v, [ones(s.count) for s in segs], [ones(s.count) for s in segs])
 
+    def shardings(self, plan) -> "KVCache":
+        """NamedShardings for this cache under a ShardingPlan: batch over data, KV heads over tensor."""
+        from ernie_jax.sharding.rules import KV_HEADS
+        return jax.tree.map(lambda a: plan.activation(KV_HEADS[: a.ndim - 1], a.shape), self)
+
     @property
     def is_fp8(self) -> bool:
         return self.k_scale is not None

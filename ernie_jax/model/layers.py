@@ -107,19 +107,43 @@ def _ragged_dot(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
     return lax.ragged_dot(x, w.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
 
 
+def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, up_gate, down, num_experts: int,
+                   first_expert: jax.Array | int = 0) -> jax.Array:
+    """The routed-expert output of the experts [first_expert, first_expert + E_local) held in up_gate/down.
+
+    x [T,H]; weights, ids [T,k]. With every expert local this is the whole routed output; under expert
+    parallelism each device adds its own experts' share (sharding/expert_parallel.py). Dropless: each
+    assignment to a local expert is computed, whatever the load.
+    """
+    T, k = ids.shape
+    local = up_gate.shape[0]
+    order, inverse, sizes = sort_by_expert(ids, num_experts)
+    xs = x[order // k]
+    if local == num_experts:
+        ys = grouped_swiglu(xs, up_gate, down, sizes)
+    else:
+        # The local experts' rows are contiguous in expert order: rotate them to the front, run the grouped
+        # matmul on the local groups only, rotate back and zero every other expert's rows.
+        start = jnp.sum(jnp.where(jnp.arange(num_experts) < first_expert, sizes, 0))
+        local_sizes = lax.dynamic_slice_in_dim(sizes, first_expert, local)
+        ys = jnp.roll(grouped_swiglu(jnp.roll(xs, -start, axis=0), up_gate, down, local_sizes), start, axis=0)
+        row = jnp.arange(T * k)
+        ys = jnp.where(((row >= start) & (row < start + jnp.sum(local_sizes)))[:, None], ys, 0)
+    ys = ys[inverse].reshape(T, k, -1)
+    return jnp.einsum("tkh,tk->th", ys, weights.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+
+
 def moe(x: jax.Array, w: dict, cfg: ErnieConfig) -> tuple[jax.Array, jax.Array]:
     """Dropless MoE block: every (token, expert) assignment is computed, none is capped or dropped.
 
     x [B,T,H] -> (y [B,T,H], expert ids [B*T,k])
     """
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
+    x2 = x.reshape(-1, x.shape[-1])
     weights, ids = route(x2, w["router"], w["router_bias"], cfg)
-    k = cfg.moe_k
-    order, inverse, sizes = sort_by_expert(ids, cfg.moe_num_experts)
-    ys = grouped_swiglu(x2[order // k], w["experts_up_gate"], w["experts_down"], sizes)
-    ys = ys[inverse].reshape(x2.shape[0], k, -1)
-    y = jnp.einsum("tkh,tk->th", ys, weights.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
-    if "shared_up_gate" in w:
-        y = y + swiglu(x2, w["shared_up_gate"], w["shared_down"])
-    return y.reshape(shape), ids
+    y = routed_experts(x2, weights, ids, w["experts_up_gate"], w["experts_down"], cfg.moe_num_experts)
+    return (y + shared_experts(x2, w)).reshape(x.shape), ids
+
+
+def shared_experts(x: jax.Array, w: dict) -> jax.Array | int:
+    """Shared experts see every token and are added unweighted (0 when the model has none)."""
+    return swiglu(x, w["shared_up_gate"], w["shared_down"]) if "shared_up_gate" in w else 0

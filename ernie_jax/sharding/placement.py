@@ -1,0 +1,44 @@
+"""Putting weights and caches onto a mesh, and counting what each device holds.
+
+`shard_weights` builds every sharded array from its host copy shard by shard
+(`jax.make_array_from_callback`), so no device ever holds a full copy of a tensor it only owns a slice of.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import jax
+import numpy as np
+
+from ernie_jax.sharding.rules import ShardingPlan
+
+
+def shard_weights(weights: Any, plan: ShardingPlan) -> Any:
+    shardings = plan.shardings(weights)
+
+    def place(x, sharding):
+        host = np.asarray(x) if not isinstance(x, jax.Array) else x
+        if isinstance(host, jax.Array):
+            return jax.device_put(host, sharding)
+        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+    return jax.tree.map(place, weights, shardings)
+
+
+def device_bytes(tree: Any) -> dict[str, int]:
+    """Bytes of `tree` resident on each device (addressable shards of concrete arrays)."""
+    out: dict[str, int] = collections.Counter()
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            out[str(shard.device)] += shard.data.nbytes
+    return dict(out)
+
+
+def abstract_device_bytes(abstract: Any, shardings: Any) -> int:
+    """Per-device bytes of an abstract pytree under `shardings` (the largest shard of each leaf)."""
+    total = 0
+    for x, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)):
+        shard = s.shard_shape(tuple(x.shape))
+        total += int(np.prod(shard)) * np.dtype(x.dtype).itemsize
+    return total
