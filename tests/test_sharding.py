@@ -106,11 +106,11 @@ def test_ep_moe_has_no_expert_weight_all_gather_on_gpu_lowering():
     layer = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), layer, shardings)
     x = jax.ShapeDtypeStruct((8, 4, cfg.hidden_size), jnp.bfloat16)
     pos = jax.ShapeDtypeStruct((8, 4), jnp.int32)
-    f = jax.jit(lambda h, w, p: decoder_layer(h, w, "moe", cfg, p, None, plan)[0])
+    f = jax.jit(lambda h, w, p: decoder_layer(h, w, "moe", cfg, p, plan=plan)[0])
     hlo = f.trace(x, layer, pos).lower(lowering_platforms=("cuda",)).as_text()
     assert "all_gather" not in hlo and "all-gather" not in hlo
     assert "all_reduce" in hlo  # the psum that adds the experts' shares
-    compiled = jax.jit(lambda h, w, p: decoder_layer(h, w, "moe", cfg, p, None, plan)[0]).trace(
+    compiled = jax.jit(lambda h, w, p: decoder_layer(h, w, "moe", cfg, p, plan=plan)[0]).trace(
         x, layer, pos).lower().compile().as_text()
     E, H, F2 = layer["experts_up_gate"].shape
     for line in compiled.splitlines():
@@ -159,3 +159,19 @@ def test_disjoint_submeshes():
     la, lb = pa.forward(ids), pb.forward(ids)
     assert la.logits.sharding.device_set <= set(devs[:4]) and lb.logits.sharding.device_set <= set(devs[4:])
     assert np.abs(np.asarray(la.logits) - np.asarray(lb.logits)).max() < 1e-5
+
+
+def test_plan_cli_on_tiny(capsys):
+    from ernie_jax.plan import main
+    assert main(["--model", "tiny", "--mesh", "8", "--max-num-seqs", "4", "--max-model-len", "256",
+                 "--prefill-devices", "4", "--decode-devices", "4", "--json"]) == 0
+    import json
+    report = json.loads(capsys.readouterr().out)
+    assert report["disaggregated"]
+    for name in ("prefill", "decode"):
+        r = report[name]
+        assert r["devices"] == 4 and r["weights_bytes"] > 0 and r["kv_cache_bytes"] > 0 and r["temp_bytes"] >= 0
+        assert r["fits"]["H200"] and r["compile_seconds"] > 0
+    cfg = ErnieConfig.preset("tiny")
+    kv_total = 2 * cfg.num_hidden_layers * 4 * 256 * cfg.num_key_value_heads * cfg.head_dim * 2
+    assert report["decode"]["kv_cache_bytes"] == kv_total  # 2 KV heads do not split 4 ways: replicated

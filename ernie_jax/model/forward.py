@@ -34,8 +34,8 @@ def _constrain(x, plan, logical):
     return lax.with_sharding_constraint(x, plan.activation(logical, x.shape))
 
 
-def attention_block(x, w, cfg: ErnieConfig, positions, layer_cache, plan=None):
-    """x [B,T,H] -> ([B,T,H], the layer's updated cache slots or None)."""
+def attention_block(x, w, cfg: ErnieConfig, positions, seg_cache=None, layer=None, plan=None):
+    """x [B,T,H] -> ([B,T,H], the segment's cache with this layer's new slots written, or None)."""
     B, T, _ = x.shape
     qkv = linear(x, w["qkv"])
     q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
@@ -45,20 +45,20 @@ def attention_block(x, w, cfg: ErnieConfig, positions, layer_cache, plan=None):
              cfg.compression_ratio)
     v = v.reshape(B, T, cfg.num_key_value_heads, cfg.head_dim)
     q, k, v = _constrain(q, plan, Q_HEADS), _constrain(k, plan, KV_HEADS), _constrain(v, plan, KV_HEADS)
-    if layer_cache is None:
+    if seg_cache is None:
         out = attention(q, k, v, positions, positions)
     else:
-        layer_cache = kvc.write(layer_cache, k, v, positions, (w.get("k_scale"), w.get("v_scale")))
-        ck, cv = kvc.read(layer_cache, q.dtype)
+        seg_cache = kvc.write(seg_cache, layer, k, v, positions, (w.get("k_scale"), w.get("v_scale")))
+        ck, cv = kvc.read(seg_cache, layer, q.dtype)
         slots = jnp.broadcast_to(jnp.arange(ck.shape[1]), (B, ck.shape[1]))
         out = attention(q, ck, cv, positions, slots)
-    return linear(out, w["o"]), layer_cache
+    return linear(out, w["o"]), seg_cache
 
 
-def decoder_layer(h, w, kind: str, cfg: ErnieConfig, positions, layer_cache=None, plan=None):
-    """Pre-norm residual block. Returns (h, layer_cache, expert ids or None)."""
-    a, layer_cache = attention_block(rms_norm(h, w["input_norm"], cfg.rms_norm_eps), w, cfg, positions,
-                                     layer_cache, plan)
+def decoder_layer(h, w, kind: str, cfg: ErnieConfig, positions, seg_cache=None, layer=None, plan=None):
+    """Pre-norm residual block. Returns (h, seg_cache, expert ids or None)."""
+    a, seg_cache = attention_block(rms_norm(h, w["input_norm"], cfg.rms_norm_eps), w, cfg, positions,
+                                   seg_cache, layer, plan)
     h = h + a
     x = rms_norm(h, w["post_norm"], cfg.rms_norm_eps)
     if kind == "dense":
@@ -67,7 +67,7 @@ def decoder_layer(h, w, kind: str, cfg: ErnieConfig, positions, layer_cache=None
         y, ids = moe(x, w, cfg)
     else:
         y, ids = moe_ep(x, w, cfg, plan)
-    return _constrain(h + y, plan, HIDDEN), layer_cache, ids
+    return _constrain(h + y, plan, HIDDEN), seg_cache, ids
 
 
 def lm_head(weights, h: jax.Array) -> jax.Array:
@@ -92,12 +92,13 @@ def forward(weights: dict[str, Any], cfg: ErnieConfig, input_ids: jax.Array, pos
     for s, seg in enumerate(cfg.layer_segments()):
         seg_cache = None if cache is None else cache.segment(s)
 
-        def body(h, xs, kind=seg.kind):
-            w, layer_cache = xs
-            h, layer_cache, ids = decoder_layer(h, w, kind, cfg, positions, layer_cache, plan)
-            return h, (layer_cache, ids)
+        def body(carry, xs, kind=seg.kind):
+            h, seg_cache = carry
+            w, layer = xs
+            h, seg_cache, ids = decoder_layer(h, w, kind, cfg, positions, seg_cache, layer, plan)
+            return (h, seg_cache), ids
 
-        h, (seg_cache, ids) = lax.scan(body, h, (weights["segments"][s], seg_cache))
+        (h, seg_cache), ids = lax.scan(body, (h, seg_cache), (weights["segments"][s], jnp.arange(seg.count)))
         new_segments.append(seg_cache)
         if ids is not None:
             expert_ids.append(ids)

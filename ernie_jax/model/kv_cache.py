@@ -84,21 +84,25 @@ def _quantize(x: jax.Array, static_scale: jax.Array | None) -> tuple[jax.Array, 
     return jnp.clip(xf / scale[..., None], -FP8_MAX, FP8_MAX).astype(FP8), scale
 
 
-def write(layer: dict[str, jax.Array], k: jax.Array, v: jax.Array, positions: jax.Array,
+def write(seg: dict[str, jax.Array], layer: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
           static_scales: tuple[jax.Array | None, jax.Array | None] = (None, None)) -> dict[str, jax.Array]:
-    """Store k, v [B,T,K,D] into one layer's slots [B,S,K,D] at `positions` [B,T]."""
+    """Store k, v [B,T,K,D] of segment layer `layer` into its slots at `positions` [B,T].
+
+    The segment's stacked arrays [L,B,S,K,D] are updated in place (a scatter into the scan carry, which
+    a donated cache turns into an in-place write), so a decode step never copies the cache."""
     rows = jnp.arange(k.shape[0])[:, None]
-    out = dict(layer)
+    out = dict(seg)
     for name, x, static in (("k", k, static_scales[0]), ("v", v, static_scales[1])):
-        if f"{name}_scale" in layer:
+        if f"{name}_scale" in seg:
             x, scale = _quantize(x, static)
-            out[f"{name}_scale"] = layer[f"{name}_scale"].at[rows, positions].set(scale)
-        out[name] = layer[name].at[rows, positions].set(x.astype(layer[name].dtype))
+            out[f"{name}_scale"] = seg[f"{name}_scale"].at[layer, rows, positions].set(scale)
+        out[name] = seg[name].at[layer, rows, positions].set(x.astype(seg[name].dtype))
     return out
 
 
-def read(layer: dict[str, jax.Array], dtype) -> tuple[jax.Array, jax.Array]:
-    """All slots of one layer as (k, v) [B,S,K,D] in `dtype`."""
-    if "k_scale" not in layer:
-        return layer["k"].astype(dtype), layer["v"].astype(dtype)
-    return tuple((layer[n].astype(jnp.float32) * layer[f"{n}_scale"][..., None]).astype(dtype) for n in ("k", "v"))
+def read(seg: dict[str, jax.Array], layer: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """All slots of segment layer `layer` as (k, v) [B,S,K,D] in `dtype`."""
+    if "k_scale" not in seg:
+        return seg["k"][layer].astype(dtype), seg["v"][layer].astype(dtype)
+    return tuple((seg[n][layer].astype(jnp.float32) * seg[f"{n}_scale"][layer][..., None]).astype(dtype)
+                 for n in ("k", "v"))
