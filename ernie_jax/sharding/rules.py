@@ -13,8 +13,10 @@ Presets:
   devices); experts over the same devices.
 - "dp_attn_ep": attention, dense FFN and vocabulary replicated, batch over "data"; experts over all
   three axes (tokens are gathered into the MoE block and scattered back).
-Dense FFNs (3 layers of the 300B model, and the MTP layer) are replicated by every preset: they are 2.8 GB
-in FP8 and splitting their fused [gate|up] columns would need a resharding collective per layer.
+Dense FFNs (and shared experts) are split over "tensor" by width: `up_gate` by its fused [gate|up] output
+columns, `down` by its input rows. A column block of the fused output holds gate or up columns, not both,
+so XLA reshards the activation before silu(gate) * up (a collective per dense layer); "dp_attn_ep"
+replicates them instead.
 """
 
 from __future__ import annotations
@@ -56,9 +58,9 @@ KV_HEADS = ("batch", None, "kv_heads", None)  # [B,T,K,D] and cache slots [B,S,K
 _MODEL = ("expert", "tensor")
 PRESETS: dict[str, dict[str, tuple]] = {
     "tp_ep": {"batch": ("data",), "vocab": ("tensor",), "qkv": ("tensor",), "heads": ("tensor",),
-              "q_heads": ("tensor",), "kv_heads": ("tensor",), "experts": _MODEL},
+              "q_heads": ("tensor",), "kv_heads": ("tensor",), "mlp": ("tensor",), "experts": _MODEL},
     "tp": {"batch": ("data",), "vocab": _MODEL, "qkv": _MODEL, "heads": _MODEL, "q_heads": _MODEL,
-           "kv_heads": _MODEL, "experts": _MODEL},
+           "kv_heads": _MODEL, "mlp": _MODEL, "experts": _MODEL},
     "dp_attn_ep": {"batch": ("data",), "experts": ("data", "expert", "tensor")},
 }
 
