@@ -1,17 +1,23 @@
 """Sampling parameters (vLLM's names and defaults) and the on-device token sampler.
 
-The sampler is one jitted function over a batch of rows, each with its own temperature, top-p, top-k and
-seed; a row's random stream depends only on (seed, step), so the same seed gives the same tokens whatever
-else is in the batch. temperature = 0 is greedy.
+The sampler is one jitted function over a batch of rows, each with its own temperature, top-p, top-k,
+min-p, penalties and seed; a row's random stream depends only on (seed, step), so the same seed gives the
+same tokens whatever else is in the batch. temperature = 0 is greedy. Penalties follow vLLM: presence and
+frequency penalties count the generated tokens; the repetition penalty applies to prompt and generated
+tokens (divide positive logits, multiply negative ones). Logprobs are those of the model's distribution
+(before temperature and filtering), with the top-n alternatives.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+MAX_LOGPROBS = 20
 
 
 class SamplingParamsError(ValueError):
@@ -24,41 +30,78 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k cut
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     max_tokens: int | None = 16
+    min_tokens: int = 0
     seed: int | None = None
+    stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None  # number of top alternatives to return with each token's logprob
 
     def __post_init__(self):
         def bad(name, why):
             raise SamplingParamsError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
-        if self.n != 1:
-            bad("n", "only n=1 is supported by the offline API")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+        num = (int, float)
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", "must be an integer >= 1")
+        if not isinstance(self.temperature, num) or self.temperature < 0:
             bad("temperature", "must be a number >= 0 (0 means greedy)")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not isinstance(self.top_p, num) or not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             bad("top_k", "must be an integer >= -1 (0 or -1 disables it)")
+        if not isinstance(self.min_p, num) or not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not isinstance(getattr(self, name), num) or not -2 <= getattr(self, name) <= 2:
+                bad(name, "must be in [-2, 2]")
+        if not isinstance(self.repetition_penalty, num) or self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be > 0")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             bad("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0 or (
+                self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            bad("min_tokens", "must be an integer in [0, max_tokens]")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", "must be an integer")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+
+    @property
+    def uses_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 def _row_key(seed, step):
     return jax.random.fold_in(jax.random.key(seed), step)
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnames=("num_logprobs",))
 def sample(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array, seeds: jax.Array,
-           steps: jax.Array) -> jax.Array:
-    """logits [B,V] f32; temperature, top_p [B] f32; top_k [B] int32; seeds [B] uint32; steps [B] int32.
+           steps: jax.Array, min_p: jax.Array | None = None, penalties: tuple | None = None,
+           num_logprobs: int = 0):
+    """logits [B,V] f32; temperature, top_p, min_p [B] f32; top_k [B] int32; seeds [B] uint32; steps [B] int32.
+    penalties: None or (presence [B], frequency [B], repetition [B], output_counts [B,V], prompt_mask [B,V],
+    logit_bias [B,V]) -- the bias carries -inf on stop tokens while a row is below its min_tokens.
 
-    Returns token ids [B] int32.
+    Returns (token ids [B] int32, token logprobs [B] f32, top ids [B,n], top logprobs [B,n]).
     """
     V = logits.shape[-1]
+    logprobs_all = jax.nn.log_softmax(logits, axis=-1)
+    if penalties is not None:
+        presence, frequency, repetition, counts, prompt_mask, bias = penalties
+        seen = (counts > 0) | prompt_mask
+        rep = repetition[:, None]
+        logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+        logits = logits - frequency[:, None] * counts - presence[:, None] * (counts > 0) + bias
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
     sorted_logits, sorted_ids = lax.top_k(logits / t, V)
@@ -66,7 +109,13 @@ def sample(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: j
     keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
     probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
     keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]  # the top token is always kept
+    if min_p is not None:
+        keep &= probs >= min_p[:, None] * probs[:, :1]
     keys = jax.vmap(_row_key)(seeds, steps)
     choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, sorted_logits, -jnp.inf))
     sampled = jnp.take_along_axis(sorted_ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy)
+    tokens = jnp.where(temperature > 0, sampled, greedy)
+    token_logprobs = jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = lax.top_k(logprobs_all, num_logprobs) if num_logprobs else (
+        jnp.zeros((logits.shape[0], 0)), jnp.zeros((logits.shape[0], 0), jnp.int32))
+    return tokens, token_logprobs, top_ids.astype(jnp.int32), top_lp

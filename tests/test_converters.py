@@ -43,7 +43,7 @@ def test_paddle_to_jax_round_trip(golden, tmp_path, name):
     assert np.abs(np.asarray(model(g["input_ids"])) - g["logits"]).max() < 1e-4
     if "mtp_logits" in g:
         assert np.abs(np.asarray(model.mtp_logits(g["input_ids"])) - g["mtp_logits"]).max() < 1e-4
-    out = LLM(str(dst), dtype="float32").generate(
+    out = LLM(str(dst), dtype="float32", max_model_len=32, max_num_seqs=2).generate(
         prompt_token_ids=g["greedy_prompt"].tolist(),
         sampling_params=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in out] == g["greedy_tokens"].tolist()

@@ -15,7 +15,7 @@ PROMPTS = [[1, 17, 33], [5, 6, 7, 8, 9, 10, 11, 12, 13], list(range(100, 117))] 
 
 @functools.lru_cache(maxsize=None)
 def tiny():
-    return LLM("tiny", dtype="float32", seed=0)
+    return LLM("tiny", dtype="float32", seed=0, max_model_len=64, max_num_seqs=4)
 
 
 def test_batched_equals_alone_greedy():
@@ -61,8 +61,8 @@ def test_stop_token_ids_and_eos():
     first = toks.index(stop_at)
     assert out.token_ids == toks[:first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_at
     # The model's EOS ids stop generation unless ignore_eos is set.
-    eos_llm = LLM(tiny().model, max_model_len=64)
-    eos_llm.eos_token_ids = frozenset({stop_at})
+    eos_llm = LLM(tiny().model, max_model_len=64, max_num_seqs=4)
+    eos_llm.engine.eos_token_ids = frozenset({stop_at})
     out = eos_llm.generate(prompt_token_ids=[PROMPTS[1]], sampling_params=SamplingParams(temperature=0, max_tokens=10))
     assert out[0].outputs[0].finish_reason == "stop" and len(out[0].outputs[0].token_ids) == first + 1
     out = eos_llm.generate(prompt_token_ids=[PROMPTS[1]],
@@ -72,7 +72,8 @@ def test_stop_token_ids_and_eos():
 
 @pytest.mark.parametrize("kwargs, name", [
     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
-    ({"temperature": -0.1}, "temperature"), ({"top_k": -5}, "top_k"), ({"n": 2}, "n"),
+    ({"temperature": -0.1}, "temperature"), ({"top_k": -5}, "top_k"), ({"n": 0}, "n"),
+    ({"min_p": 1.5}, "min_p"), ({"presence_penalty": 3}, "presence_penalty"), ({"logprobs": 50}, "logprobs"),
 ])
 def test_bad_sampling_params(kwargs, name):
     with pytest.raises(SamplingParamsError, match=f"SamplingParams.{name}="):
@@ -80,8 +81,8 @@ def test_bad_sampling_params(kwargs, name):
 
 
 def test_bad_requests():
-    llm = LLM(tiny().model, max_model_len=32)
-    with pytest.raises(RequestError, match="prompt 1 is empty"):
+    llm = LLM(tiny().model, max_model_len=32, max_num_seqs=4)
+    with pytest.raises(RequestError, match="prompt 1: the prompt is empty"):
         llm.generate(prompt_token_ids=[[1, 2], []])
     with pytest.raises(RequestError, match="max_model_len is 32"):
         llm.generate(prompt_token_ids=[list(range(40))])
@@ -103,7 +104,7 @@ def test_text_prompts_with_a_sentencepiece_tokenizer(tmp_path):
     spm.SentencePieceTrainer.train(sentence_iterator=iter(text), model_prefix=str(d / "tokenizer"),
                                    vocab_size=120, model_type="bpe", character_coverage=1.0,
                                    user_defined_symbols=["<|end_of_sentence|>"], minloglevel=2)
-    llm = LLM(str(d), dtype="float32")
+    llm = LLM(str(d), dtype="float32", max_model_len=64, max_num_seqs=4)
     assert llm.tokenizer is not None and llm.tokenizer.token_id("<|end_of_sentence|>") in llm.eos_token_ids
     out = llm.generate(["hello world"], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
     assert out.prompt == "hello world" and out.prompt_token_ids == llm.tokenizer.encode("hello world")

@@ -47,7 +47,7 @@ def test_incremental_decode_through_kv_cache(golden, name, layout):
 @pytest.mark.parametrize("name, layout", CASES)
 def test_greedy_continuations_match_hf_generate(golden, name, layout):
     g = golden(name)
-    llm = LLM(model(name, layout))
+    llm = LLM(model(name, layout), max_model_len=64, max_num_seqs=4)
     sp = SamplingParams(temperature=0, max_tokens=g["greedy_tokens"].shape[1], ignore_eos=True)
     outs = llm.generate(prompt_token_ids=g["greedy_prompt"].tolist(), sampling_params=sp)
     assert [o.outputs[0].token_ids for o in outs] == g["greedy_tokens"].tolist()

@@ -68,16 +68,17 @@ class ErnieForCausalLM(nnx.Module):
         """Full forward: input_ids [B,T] -> logits [B,T,V] (f32)."""
         return self.forward(input_ids, positions).logits
 
-    def forward(self, input_ids, positions=None, cache: KVCache | None = None,
-                logit_positions=None) -> fwd.ForwardOutput:
-        """Forward with optional KV cache (incremental decoding). The cache argument is donated."""
+    def forward(self, input_ids, positions=None, cache: KVCache | None = None, logit_positions=None,
+                block_tables=None) -> fwd.ForwardOutput:
+        """Forward with optional KV cache (incremental decoding). The cache argument is donated.
+        block_tables [B,n]: the pages of each row in a paged cache (default: row b owns page b)."""
         input_ids = jnp.asarray(input_ids, jnp.int32)
         if cache is None:
             return fwd.forward_jit(self.weights(), self.config, input_ids, positions, logit_positions, self.plan)
         if positions is None:
             raise ValueError("forward with a cache needs explicit positions [B,T]")
         return fwd.forward_cached_jit(self.weights(), self.config, input_ids, jnp.asarray(positions, jnp.int32),
-                                      cache, logit_positions, self.plan)
+                                      cache, logit_positions, self.plan, block_tables)
 
     def init_cache(self, batch: int, max_len: int, kv_cache_dtype: str = "auto") -> KVCache:
         """kv_cache_dtype: "auto" (the model dtype), "bfloat16", "float32" or "fp8" (see kv_cache.py).

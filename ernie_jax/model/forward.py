@@ -34,7 +34,7 @@ def _constrain(x, plan, logical):
     return lax.with_sharding_constraint(x, plan.activation(logical, x.shape))
 
 
-def attention_block(x, w, cfg: ErnieConfig, positions, seg_cache=None, layer=None, plan=None):
+def attention_block(x, w, cfg: ErnieConfig, positions, seg_cache=None, layer=None, block_tables=None, plan=None):
     """x [B,T,H] -> ([B,T,H], the segment's cache with this layer's new slots written, or None)."""
     B, T, _ = x.shape
     qkv = linear(x, w["qkv"])
@@ -48,17 +48,18 @@ def attention_block(x, w, cfg: ErnieConfig, positions, seg_cache=None, layer=Non
     if seg_cache is None:
         out = attention(q, k, v, positions, positions)
     else:
-        seg_cache = kvc.write(seg_cache, layer, k, v, positions, (w.get("k_scale"), w.get("v_scale")))
-        ck, cv = kvc.read(seg_cache, layer, q.dtype)
+        seg_cache = kvc.write(seg_cache, layer, k, v, positions, block_tables, (w.get("k_scale"), w.get("v_scale")))
+        ck, cv = kvc.read(seg_cache, layer, block_tables, q.dtype)
         slots = jnp.broadcast_to(jnp.arange(ck.shape[1]), (B, ck.shape[1]))
         out = attention(q, ck, cv, positions, slots)
     return linear(out, w["o"]), seg_cache
 
 
-def decoder_layer(h, w, kind: str, cfg: ErnieConfig, positions, seg_cache=None, layer=None, plan=None):
+def decoder_layer(h, w, kind: str, cfg: ErnieConfig, positions, seg_cache=None, layer=None, block_tables=None,
+                  plan=None):
     """Pre-norm residual block. Returns (h, seg_cache, expert ids or None)."""
     a, seg_cache = attention_block(rms_norm(h, w["input_norm"], cfg.rms_norm_eps), w, cfg, positions,
-                                   seg_cache, layer, plan)
+                                   seg_cache, layer, block_tables, plan)
     h = h + a
     x = rms_norm(h, w["post_norm"], cfg.rms_norm_eps)
     if kind == "dense":
@@ -79,14 +80,17 @@ def lm_head(weights, h: jax.Array) -> jax.Array:
 
 def forward(weights: dict[str, Any], cfg: ErnieConfig, input_ids: jax.Array, positions: jax.Array | None = None,
             cache: kvc.KVCache | None = None, logit_positions: jax.Array | None = None,
-            plan: ShardingPlan | None = None) -> ForwardOutput:
+            plan: ShardingPlan | None = None, block_tables: jax.Array | None = None) -> ForwardOutput:
     """input_ids [B,T] int; positions [B,T] (default 0..T-1); with `cache`, K/V are written at `positions`
-    and attention reads every filled slot, which is how incremental decoding works.
+    through `block_tables` [B,n] (default: row b owns page b, a contiguous cache), and attention reads every
+    filled slot, which is how incremental decoding works.
     `logit_positions` [B]: compute logits only at these token indices (e.g. the last prompt token).
     `plan`: run sharded on plan.mesh (weights and cache placed by the same plan); None runs unsharded."""
     B, T = input_ids.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    if cache is not None and block_tables is None:
+        block_tables = kvc.identity_block_tables(B)
     h = _constrain(weights["embed"][input_ids], plan, HIDDEN)
     new_segments, expert_ids = [], []
     for s, seg in enumerate(cfg.layer_segments()):
@@ -95,7 +99,7 @@ def forward(weights: dict[str, Any], cfg: ErnieConfig, input_ids: jax.Array, pos
         def body(carry, xs, kind=seg.kind):
             h, seg_cache = carry
             w, layer = xs
-            h, seg_cache, ids = decoder_layer(h, w, kind, cfg, positions, seg_cache, layer, plan)
+            h, seg_cache, ids = decoder_layer(h, w, kind, cfg, positions, seg_cache, layer, block_tables, plan)
             return (h, seg_cache), ids
 
         (h, seg_cache), ids = lax.scan(body, (h, seg_cache), (weights["segments"][s], jnp.arange(seg.count)))
@@ -131,8 +135,9 @@ def forward_jit(weights, cfg, input_ids, positions=None, logit_positions=None, p
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "plan"), donate_argnames=("cache",))
-def forward_cached_jit(weights, cfg, input_ids, positions, cache, logit_positions=None, plan=None) -> ForwardOutput:
-    out = forward(weights, cfg, input_ids, positions, cache, logit_positions, plan)
+def forward_cached_jit(weights, cfg, input_ids, positions, cache, logit_positions=None, plan=None,
+                       block_tables=None) -> ForwardOutput:
+    out = forward(weights, cfg, input_ids, positions, cache, logit_positions, plan, block_tables)
     if plan is not None:  # the cache leaves as it came in, sharded by KV heads
         out = out._replace(cache=jax.tree.map(lax.with_sharding_constraint, out.cache, out.cache.shardings(plan)))
     return out

@@ -1,14 +1,17 @@
-"""A contiguous KV cache: one slot per position, one array per layer segment; bf16 or FP8.
+"""The paged KV cache: a pool of fixed-size pages per layer segment, addressed through block tables; bf16 or FP8.
 
-Slot p of a row holds the K/V of that row's token at position p, so writing is a scatter by position and
-reading masks slots by position (layers.attention). Rows may be right-padded: a padded token writes a slot
-that the row's later real tokens overwrite before any query can see it.
+Arrays per segment: k, v [L, P, page, K, D]. A sequence owns a list of pages (its block-table row [n]);
+its token at position p lives in page block_table[p // page] at offset p % page. Writing scatters the new
+tokens there; reading gathers the sequence's pages into [B, n*page, K, D], where slot j holds position j,
+and layers.attention masks slots by position, so unwritten slots (and garbage pages behind unused
+block-table entries) are never seen. A contiguous cache is the special case of one page per sequence
+(`create(cfg, batch, max_len)` with block table row b = [b]). Right-padded tokens write slots that the
+sequence's later real tokens overwrite before any query can see them.
 
 FP8 (`kv_cache_dtype="fp8"`): e4m3fn values plus one f32 dequant scale per (token, KV head). The scale is
 dynamic (amax over the head dim / 448, FastDeploy's block_wise_fp8 cache) unless the checkpoint ships
 static per-KV-head scales (`cachek_matmul.activation_scale`, FastDeploy's float8_e4m3fn cache), which are
 then written into the same slots: one read path serves both. Writes saturate at +-448.
-The paged cache of the serving engine replaces this one for continuous batching.
 """
 
 from __future__ import annotations
@@ -28,15 +31,15 @@ KV_CACHE_DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "auto": None,
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    k: list[jax.Array]  # per segment [L, B, S, K, D]
+    k: list[jax.Array]  # per segment [L, P, page, K, D]
     v: list[jax.Array]
-    k_scale: list[jax.Array] | None = None  # fp8 only: per segment [L, B, S, K] f32
+    k_scale: list[jax.Array] | None = None  # fp8 only: per segment [L, P, page, K] f32
     v_scale: list[jax.Array] | None = None
 
     @classmethod
-    def create(cls, cfg: ErnieConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -> "KVCache":
+    def create(cls, cfg: ErnieConfig, num_pages: int, page_size: int, dtype=jnp.bfloat16) -> "KVCache":
         segs = cfg.layer_segments()
-        shape = lambda n: (n, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)  # noqa: E731
+        shape = lambda n: (n, num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)  # noqa: E731
         k = [jnp.zeros(shape(s.count), dtype) for s in segs]
         v = [jnp.zeros(shape(s.count), dtype) for s in segs]
         if jnp.dtype(dtype) != jnp.dtype(FP8):
@@ -45,7 +48,7 @@ class KVCache:
         return cls(k, v, [ones(s.count) for s in segs], [ones(s.count) for s in segs])
 
     def shardings(self, plan) -> "KVCache":
-        """NamedShardings for this cache under a ShardingPlan: batch over data, KV heads over tensor."""
+        """NamedShardings for this cache under a ShardingPlan: KV heads over tensor (pages over data)."""
         from ernie_jax.sharding.rules import KV_HEADS
         return jax.tree.map(lambda a: plan.activation(KV_HEADS[: a.ndim - 1], a.shape), self)
 
@@ -54,7 +57,11 @@ class KVCache:
         return self.k_scale is not None
 
     @property
-    def max_len(self) -> int:
+    def num_pages(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def page_size(self) -> int:
         return self.k[0].shape[2]
 
     @property
@@ -85,24 +92,35 @@ def _quantize(x: jax.Array, static_scale: jax.Array | None) -> tuple[jax.Array, 
 
 
 def write(seg: dict[str, jax.Array], layer: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
-          static_scales: tuple[jax.Array | None, jax.Array | None] = (None, None)) -> dict[str, jax.Array]:
-    """Store k, v [B,T,K,D] of segment layer `layer` into its slots at `positions` [B,T].
+          block_tables: jax.Array, static_scales: tuple[jax.Array | None, jax.Array | None] = (None, None)
+          ) -> dict[str, jax.Array]:
+    """Store k, v [B,T,K,D] of segment layer `layer` at `positions` [B,T] through `block_tables` [B,n].
 
-    The segment's stacked arrays [L,B,S,K,D] are updated in place (a scatter into the scan carry, which
-    a donated cache turns into an in-place write), so a decode step never copies the cache."""
-    rows = jnp.arange(k.shape[0])[:, None]
+    The segment's stacked arrays are updated in place (a scatter into the scan carry, which a donated
+    cache turns into an in-place write), so a step never copies the cache."""
+    page_size = seg["k"].shape[2]
+    pages = jnp.take_along_axis(block_tables, positions // page_size, axis=1)  # [B,T]
+    offsets = positions % page_size
     out = dict(seg)
     for name, x, static in (("k", k, static_scales[0]), ("v", v, static_scales[1])):
         if f"{name}_scale" in seg:
             x, scale = _quantize(x, static)
-            out[f"{name}_scale"] = seg[f"{name}_scale"].at[layer, rows, positions].set(scale)
-        out[name] = seg[name].at[layer, rows, positions].set(x.astype(seg[name].dtype))
+            out[f"{name}_scale"] = seg[f"{name}_scale"].at[layer, pages, offsets].set(scale)
+        out[name] = seg[name].at[layer, pages, offsets].set(x.astype(seg[name].dtype))
     return out
 
 
-def read(seg: dict[str, jax.Array], layer: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-    """All slots of segment layer `layer` as (k, v) [B,S,K,D] in `dtype`."""
+def read(seg: dict[str, jax.Array], layer: jax.Array, block_tables: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """The sequences' slots of segment layer `layer` as (k, v) [B, n*page, K, D] in `dtype`; slot j holds
+    position j."""
+    def gather(name):
+        x = seg[name][layer][block_tables]  # [B, n, page, ...]
+        return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
     if "k_scale" not in seg:
-        return seg["k"][layer].astype(dtype), seg["v"][layer].astype(dtype)
-    return tuple((seg[n][layer].astype(jnp.float32) * seg[f"{n}_scale"][layer][..., None]).astype(dtype)
-                 for n in ("k", "v"))
+        return gather("k").astype(dtype), gather("v").astype(dtype)
+    return tuple((gather(n).astype(jnp.float32) * gather(f"{n}_scale")[..., None]).astype(dtype) for n in ("k", "v"))
+
+
+def identity_block_tables(batch: int) -> jax.Array:
+    """Block tables of a contiguous cache (`KVCache.create(cfg, batch, max_len)`): row b owns page b."""
+    return jnp.arange(batch, dtype=jnp.int32)[:, None]

@@ -1,0 +1,88 @@
+"""AsyncEngine: the engine stepped by one background thread, with asyncio streams per request.
+
+`add_request` validates at once (a bad request raises and nothing is queued) and returns an async
+iterator of RequestOutput snapshots, one per generated token, the last with `finished=True`. `abort`
+cancels a request and frees its pages at the next step boundary. All engine state is touched only by the
+stepping thread; other threads hand it work through a queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from typing import AsyncIterator
+
+from ernie_jax.engine.engine import Engine, Request
+from ernie_jax.engine.outputs import RequestOutput, completion
+from ernie_jax.sampling import SamplingParams
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._inbox: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self._lock = threading.Lock()  # add_request's validation and id check vs the stepping thread
+        self._thread = threading.Thread(target=self._loop, name="ernie-engine", daemon=True)
+        self._thread.start()
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            request_id = self.engine.add_request(prompt_ids, params, request_id)
+            req = self.engine.requests[request_id]
+            stream: asyncio.Queue = asyncio.Queue()
+            self._streams[request_id] = (loop, stream)
+        self._wake.set()
+        return self._iterate(req, prompt, stream)
+
+    async def _iterate(self, req: Request, prompt: str | None, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        try:
+            while True:
+                finished = await stream.get()
+                m = req.metrics
+                yield RequestOutput(req.request_id, prompt, req.prompt_ids, [completion(req)], finished,
+                                    {"queue_time": m.queue_time, "ttft": m.ttft, "tpot": req.tpot})
+                if finished:
+                    return
+        finally:
+            if not req.finished:  # the consumer went away (client disconnect): free the pages
+                self.abort(req.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def _notify(self, req: Request) -> None:
+        target = self._streams.get(req.request_id)
+        if target is not None:
+            loop, stream = target
+            loop.call_soon_threadsafe(stream.put_nowait, req.finished)
+            if req.finished:
+                self._streams.pop(req.request_id, None)
+
+    def _loop(self) -> None:
+        while not self._stop:
+            while not self._inbox.empty():
+                kind, request_id = self._inbox.get()
+                req = self.engine.requests.get(request_id)
+                if kind == "abort" and req is not None:
+                    self.engine.abort(request_id)
+                    self._notify(req)
+            with self._lock:
+                busy = self.engine.has_unfinished()
+                touched = self.engine.step() if busy else []
+            for req in touched:
+                self._notify(req)
+            if not busy:
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()

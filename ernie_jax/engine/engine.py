@@ -1,0 +1,298 @@
+"""The serving engine: continuous batching over paged KV pools, with prefill/decode disaggregation.
+
+`Engine.step()` admits waiting requests whose pages are free (FIFO), runs one prefill chunk of the oldest
+admitted request, and one decode step for every running request; requests join and leave the decode batch
+at every step. Disaggregated (`prefill_devices` < mesh size): prefill runs on the first devices with its own
+copy of the weights and its own pool, decode on the rest; when a prompt is done its pages move to the
+decode pool in one batched transfer. Prefill and decode are dispatched before either result is read, so on
+disjoint devices they overlap. Colocated: both programs share one mesh and one pool.
+A request stops on EOS (unless ignore_eos), a stop token or string, max_tokens or max_model_len; `abort`
+frees its pages at once. Bad requests raise `RequestError` at `add_request` and leave the engine serving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from ernie_jax.engine.pages import PageAllocator
+from ernie_jax.engine.programs import ModelPrograms, PageTransfer, buckets
+from ernie_jax.model.ernie import ErnieForCausalLM
+from ernie_jax.sampling import SamplingParams
+
+
+class RequestError(ValueError):
+    """A prompt or request that cannot be served; the message says which one and why."""
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    metrics: RequestMetrics
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    pages: list[int] = dataclasses.field(default_factory=list)  # in the decode (or only) pool
+    prefill_pages: list[int] = dataclasses.field(default_factory=list)  # in the prefill pool when disaggregated
+    num_prefilled: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text: str | None = None  # with a tokenizer: the detokenized output (cut before a stop string)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def tpot(self) -> float | None:
+        m = self.metrics
+        if m.finished_time is None or m.first_token_time is None or len(self.output_ids) < 2:
+            return None
+        return (m.finished_time - m.first_token_time) / (len(self.output_ids) - 1)
+
+
+class Engine:
+    def __init__(self, model: ErnieForCausalLM, *, prefill_model: ErnieForCausalLM | None = None,
+                 max_num_seqs: int = 8, max_model_len: int = 2048, page_size: int = 16,
+                 num_pages: int | None = None, prefill_chunk: int = 512, kv_cache_dtype: str = "auto",
+                 eos_token_ids: frozenset[int] = frozenset(), tokenizer=None, seed: int = 0):
+        """model: the decode-side model (placed on its mesh). prefill_model: the same weights on a disjoint
+        mesh for disaggregated prefill, or None to prefill with `model` (colocated)."""
+        self.cfg = model.config
+        self.max_num_seqs, self.max_model_len, self.page_size = max_num_seqs, max_model_len, page_size
+        self.max_pages = -(-max_model_len // page_size)
+        num_pages = num_pages or max_num_seqs * self.max_pages + 1
+        self.prefill_chunk = min(prefill_chunk, self.max_pages * page_size)
+        self.eos_token_ids, self.tokenizer = frozenset(eos_token_ids), tokenizer
+        t0 = time.perf_counter()
+        self.decoder = ModelPrograms(model, num_pages=num_pages, page_size=page_size,
+                                     max_pages_per_seq=self.max_pages, kv_cache_dtype=kv_cache_dtype,
+                                     prefill_buckets=[] if prefill_model is not None else buckets(self.prefill_chunk, 16),
+                                     decode_buckets=buckets(max_num_seqs),
+                                     name="decode" if prefill_model is not None else "colocated")
+        self.allocator = PageAllocator(num_pages, page_size)
+        if prefill_model is not None:
+            self.prefiller = ModelPrograms(prefill_model, num_pages=self.max_pages + 1, page_size=page_size,
+                                           max_pages_per_seq=self.max_pages, kv_cache_dtype=kv_cache_dtype,
+                                           prefill_buckets=buckets(self.prefill_chunk, 16), decode_buckets=[],
+                                           name="prefill")
+            self.prefill_allocator = PageAllocator(self.max_pages + 1, page_size)
+            self.transfer = PageTransfer(self.prefiller, self.decoder)
+        else:
+            self.prefiller, self.prefill_allocator, self.transfer = self.decoder, None, None
+        self.startup_seconds = time.perf_counter() - t0
+        self.waiting: list[Request] = []
+        self.prefilling: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._rng = np.random.default_rng(seed)
+        self.busy_seconds = {"prefill": 0.0, "decode": 0.0}
+
+    # ---- requests -----------------------------------------------------------------------------------------
+    @property
+    def disaggregated(self) -> bool:
+        return self.transfer is not None
+
+    @property
+    def compile_report(self) -> list[tuple[str, int, float]]:
+        return self.decoder.report + (self.prefiller.report if self.disaggregated else [])
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token ids outside [0, {self.cfg.vocab_size}): {bad[:5]}")
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len} "
+                               "(and at least one token must be generated)")
+        if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise RequestError(f"{len(prompt_ids)} prompt tokens + max_tokens {params.max_tokens} exceed "
+                               f"max_model_len {self.max_model_len}")
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer; use stop_token_ids")
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        prompt_ids = [int(t) for t in prompt_ids]
+        self.validate(prompt_ids, params)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else int(self._rng.integers(2**31))
+        req = Request(request_id, prompt_ids, params, seed, RequestMetrics(time.perf_counter()))
+        self.requests[request_id] = req
+        self.waiting.append(req)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is not None and not req.finished:
+            self._finish(req, "abort", None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    def _max_len(self, req: Request) -> int:
+        want = len(req.prompt_ids) + (req.params.max_tokens or self.max_model_len)
+        return min(want, self.max_model_len)
+
+    def _finish(self, req: Request, reason: str, stop_reason) -> None:
+        req.finish_reason, req.stop_reason = reason, stop_reason
+        req.metrics.finished_time = time.perf_counter()
+        for queue in (self.waiting, self.prefilling, self.running):
+            if req in queue:
+                queue.remove(req)
+        if req.pages:
+            self.allocator.release(req.pages)
+            req.pages = []
+        if req.prefill_pages:
+            self.prefill_allocator.release(req.prefill_pages)
+            req.prefill_pages = []
+        self.requests.pop(req.request_id, None)
+
+    # ---- scheduling ---------------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) + len(self.prefilling) < self.max_num_seqs:
+            req = self.waiting[0]
+            need = self.allocator.pages_for(self._max_len(req))
+            prompt_pages = self.allocator.pages_for(len(req.prompt_ids))
+            if not self.allocator.can_allocate(need):
+                break
+            if self.disaggregated and not self.prefill_allocator.can_allocate(prompt_pages):
+                break
+            self.waiting.pop(0)
+            req.pages = self.allocator.allocate(need)
+            if self.disaggregated:
+                req.prefill_pages = self.prefill_allocator.allocate(prompt_pages)
+            req.metrics.first_scheduled_time = time.perf_counter()
+            self.prefilling.append(req)
+
+    def _table(self, pages: list[int]) -> np.ndarray:
+        return np.asarray(pages + [0] * (self.max_pages - len(pages)), np.int32)
+
+    def _sampling_arrays(self, reqs: list[Request], B: int, steps: list[int]) -> tuple[dict, int]:
+        pad = B - len(reqs)
+        f = lambda xs, fill=0.0: np.asarray(list(xs) + [fill] * pad, np.float32)  # noqa: E731
+        p = [r.params for r in reqs]
+        arrays = {"temperature": f(x.temperature for x in p), "top_p": f((x.top_p for x in p), 1.0),
+                  "top_k": np.asarray([x.top_k for x in p] + [0] * pad, np.int32),
+                  "seeds": np.asarray([r.seed for r in reqs] + [0] * pad, np.uint32),
+                  "steps": np.asarray(steps + [0] * pad, np.int32),
+                  "min_p": f(x.min_p for x in p) if any(x.min_p for x in p) else None, "penalties": None}
+        suppress = [len(r.output_ids) < r.params.min_tokens for r in reqs]
+        if any(x.uses_penalties for x in p) or any(suppress):
+            V = self.cfg.vocab_size
+            counts, prompt_mask = np.zeros((B, V), np.float32), np.zeros((B, V), bool)
+            bias = np.zeros((B, V), np.float32)
+            for i, r in enumerate(reqs):
+                np.add.at(counts[i], r.output_ids, 1)
+                prompt_mask[i, r.prompt_ids] = True
+                if suppress[i]:  # min_tokens: no stop token before then
+                    bias[i, list(self._stop_ids(r))] = -np.inf
+            arrays["penalties"] = (f(x.presence_penalty for x in p), f(x.frequency_penalty for x in p),
+                                   f((x.repetition_penalty for x in p), 1.0), counts, prompt_mask, bias)
+        return arrays, max((x.logprobs or 0) for x in p)
+
+    def _stop_ids(self, req: Request) -> set[int]:
+        return set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else set(self.eos_token_ids))
+
+    def _append(self, req: Request, token: int, logprob: float, top_ids, top_lps) -> None:
+        now = time.perf_counter()
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.output_ids.append(token)
+        if req.params.logprobs is not None:
+            n = req.params.logprobs
+            req.logprobs.append({"token": token, "logprob": float(logprob),
+                                 "top": list(zip(map(int, top_ids[:n]), map(float, top_lps[:n])))})
+        if self.tokenizer is not None:
+            req.text = self.tokenizer.decode(req.output_ids)
+        n_out = len(req.output_ids)
+        if token in self._stop_ids(req) and n_out > req.params.min_tokens - 1:
+            return self._finish(req, "stop", token)
+        if req.params.stop and n_out >= req.params.min_tokens:
+            for s in req.params.stop:
+                at = req.text.find(s)
+                if at >= 0:
+                    req.text = req.text[:at]
+                    return self._finish(req, "stop", s)
+        if (req.params.max_tokens is not None and n_out >= req.params.max_tokens) or \
+                len(req.prompt_ids) + n_out >= self.max_model_len:
+            return self._finish(req, "length", None)
+
+    def step(self) -> list[Request]:
+        """One scheduling step; returns the requests that got a token (or finished) in it."""
+        self._admit()
+        touched: list[Request] = []
+        pending = []
+        if self.prefilling:
+            req = self.prefilling[0]
+            start = req.num_prefilled
+            chunk = req.prompt_ids[start:start + self.prefill_chunk]
+            T = next(b for b in self.prefiller.prefill_buckets if b >= len(chunk))
+            ids = np.zeros((1, T), np.int32)
+            ids[0, :len(chunk)] = chunk
+            positions = (start + np.arange(T, dtype=np.int32))[None]
+            table = self._table(req.prefill_pages if self.disaggregated else req.pages)[None]
+            t0 = time.perf_counter()
+            logits = self.prefiller.run("prefill", ids, positions, np.asarray([len(chunk) - 1], np.int32), table)
+            req.num_prefilled += len(chunk)
+            if req.num_prefilled == len(req.prompt_ids):
+                arrays, nlp = self._sampling_arrays([req], 1, [0])
+                pending.append(("prefill", [req], self.prefiller.sample(logits, arrays, nlp), t0))
+        if self.running:
+            reqs = list(self.running)
+            B = next(b for b in self.decoder.decode_buckets if b >= len(reqs))
+            pad = B - len(reqs)
+            ids = np.asarray([[r.output_ids[-1]] for r in reqs] + [[0]] * pad, np.int32)
+            positions = np.asarray([[len(r.prompt_ids) + len(r.output_ids) - 1] for r in reqs] + [[0]] * pad, np.int32)
+            tables = np.stack([self._table(r.pages) for r in reqs] + [self._table([])] * pad)
+            t0 = time.perf_counter()
+            logits = self.decoder.run("decode", ids, positions, np.zeros(B, np.int32), tables)
+            arrays, nlp = self._sampling_arrays(reqs, B, [len(r.output_ids) for r in reqs])
+            pending.append(("decode", reqs, self.decoder.sample(logits, arrays, nlp), t0))
+        for kind, reqs, result, t0 in pending:  # both programs are in flight before either is read
+            tokens, lps, top_ids, top_lps = jax.device_get(result)
+            self.busy_seconds[kind] += time.perf_counter() - t0
+            for i, req in enumerate(reqs):
+                if req.finished:  # aborted meanwhile
+                    continue
+                if kind == "prefill":
+                    self.prefilling.remove(req)
+                    if self.disaggregated:
+                        self.transfer(req.prefill_pages, req.pages[:len(req.prefill_pages)])
+                        self.prefill_allocator.release(req.prefill_pages)
+                        req.prefill_pages = []
+                    self.running.append(req)
+                self._append(req, int(tokens[i]), lps[i], top_ids[i], top_lps[i])
+                touched.append(req)
+        return touched
+
+    def run_until_done(self, request_ids: list[str]) -> None:
+        targets = [self.requests[r] for r in request_ids]
+        while not all(r.finished for r in targets):
+            self.step()

@@ -1,0 +1,33 @@
+"""What a request returns: RequestOutput with one CompletionOutput per sample (vLLM's shapes)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ernie_jax.engine.engine import Request
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int
+    text: str | None
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length" or "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string
+    logprobs: list[dict] | None = None  # per token: {"token", "logprob", "top": [(id, logprob), ...]}
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    metrics: dict | None = None  # queue_time, ttft, tpot (seconds)
+
+
+def completion(req: Request, index: int = 0) -> CompletionOutput:
+    return CompletionOutput(index, req.text, list(req.output_ids),
+                            req.finish_reason, req.stop_reason, list(req.logprobs) if req.params.logprobs is not None
+                            else None)

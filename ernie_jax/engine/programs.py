@@ -1,0 +1,131 @@
+"""The compiled programs of one (sub)mesh: chunked prefill and batched decode over a paged KV pool.
+
+`ModelPrograms` holds a model's weights placed on its mesh, the KV page pool of that mesh, and one
+ahead-of-time compiled executable per bucket: prefill per chunk length T (a [1,T] chunk written into the
+pool through the request's block table, logits at the chunk's last real token), decode per batch size B
+(one token for each of B sequences). Every executable donates the pool and has explicit input and output
+shardings, so the pool is updated in place and never leaves its devices. `compile_report` lists buckets
+and seconds. The page transfer between two pools (prefill/decode disaggregation) lives here too.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+from ernie_jax.model.ernie import ErnieForCausalLM
+from ernie_jax.model.forward import forward
+from ernie_jax.model.kv_cache import KV_CACHE_DTYPES, KVCache
+from ernie_jax.sampling import sample
+
+
+def _step(weights, input_ids, positions, cache, logit_positions, block_tables, *, cfg, plan):
+    out = forward(weights, cfg, input_ids, positions, cache, logit_positions, plan, block_tables)
+    return out.logits, out.cache
+
+
+def buckets(limit: int, start: int = 1) -> list[int]:
+    """Powers of two from `start` up to and including `limit`."""
+    out, b = [], start
+    while b < limit:
+        out.append(b)
+        b *= 2
+    return out + [limit]
+
+
+class ModelPrograms:
+    def __init__(self, model: ErnieForCausalLM, *, num_pages: int, page_size: int, max_pages_per_seq: int,
+                 kv_cache_dtype: str, prefill_buckets: list[int], decode_buckets: list[int], name: str):
+        self.model, self.cfg, self.plan, self.name = model, model.config, model.plan, name
+        self.weights = model.weights()
+        self.page_size, self.max_pages = page_size, max_pages_per_seq
+        dtype = KV_CACHE_DTYPES[kv_cache_dtype] or model.dtype
+        cache = KVCache.create(self.cfg, num_pages, page_size, dtype)
+        if self.plan is not None:
+            self.devices = list(self.plan.mesh.devices.flat)
+            self.cache_shardings = cache.shardings(self.plan)
+            self.replicated = NamedSharding(self.plan.mesh, P())
+        else:
+            device = jax.tree.leaves(self.weights)[0].devices().pop()
+            self.devices = [device]
+            self.replicated = SingleDeviceSharding(device)
+            self.cache_shardings = jax.tree.map(lambda _: self.replicated, cache)
+        self.cache = jax.device_put(cache, self.cache_shardings)
+        self.prefill_buckets, self.decode_buckets = prefill_buckets, decode_buckets
+        self.report: list[tuple[str, int, float]] = []
+        fn = functools.partial(_step, cfg=self.cfg, plan=self.plan)
+        w_shardings = jax.tree.map(lambda a: a.sharding, self.weights)
+        self._jit = jax.jit(fn, donate_argnums=(3,),
+                            in_shardings=(w_shardings, self.replicated, self.replicated, self.cache_shardings,
+                                          self.replicated, self.replicated),
+                            out_shardings=(self.replicated, self.cache_shardings))
+        self._prefill = {T: self._compile("prefill", 1, T) for T in prefill_buckets}
+        self._decode = {B: self._compile("decode", B, 1) for B in decode_buckets}
+        self._sample = {}
+
+    def _compile(self, kind: str, B: int, T: int):
+        t0 = time.perf_counter()
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.replicated)  # noqa: E731
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                                (self.weights, self.cache))
+        compiled = self._jit.lower(abstract[0], i32(B, T), i32(B, T), abstract[1], i32(B), i32(B, self.max_pages)
+                                   ).compile()
+        self.report.append((f"{self.name} {kind}", B if kind == "decode" else T, time.perf_counter() - t0))
+        return compiled
+
+    def put(self, x) -> jax.Array:
+        """Explicit host -> device copy onto this mesh (replicated)."""
+        return jax.device_put(x, self.replicated)
+
+    def run(self, kind: str, ids, positions, logit_positions, block_tables) -> jax.Array:
+        B, T = ids.shape
+        fn = self._prefill[T] if kind == "prefill" else self._decode[B]
+        logits, self.cache = fn(self.weights, self.put(ids), self.put(positions), self.cache,
+                                self.put(logit_positions), self.put(block_tables))
+        return logits
+
+    def sample(self, logits, arrays: dict[str, Any], num_logprobs: int):
+        args = {k: self.put(v) if v is not None else None for k, v in arrays.items()}
+        penalties = args.pop("penalties")
+        return sample(logits, **args, penalties=penalties, num_logprobs=num_logprobs)
+
+
+class PageTransfer:
+    """Moves a request's KV pages from one pool to another: gather on the source mesh, one device_put,
+    scatter into the destination pool (donated). Page counts are bucketed and compiled ahead of time."""
+
+    def __init__(self, src: ModelPrograms, dst: ModelPrograms):
+        self.src, self.dst = src, dst
+        self.buckets = buckets(src.max_pages)
+        page_shardings = dst.cache_shardings  # a page batch is laid out like the pool it came from
+        self._gather = jax.jit(lambda cache, ids: jax.tree.map(lambda a: a[:, ids], cache),
+                               in_shardings=(src.cache_shardings, src.replicated),
+                               out_shardings=src.cache_shardings)
+        self._scatter = jax.jit(lambda cache, pages, ids: jax.tree.map(lambda a, p: a.at[:, ids].set(p), cache, pages),
+                                donate_argnums=(0,), in_shardings=(dst.cache_shardings, page_shardings, dst.replicated),
+                                out_shardings=dst.cache_shardings)
+        self.page_shardings = page_shardings
+        self.seconds, self.bytes = 0.0, 0
+        self.last: tuple[list[int], list[int]] | None = None  # (source, destination) pages of the last move
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def __call__(self, src_pages: list[int], dst_pages: list[int]) -> None:
+        n = self.bucket(len(src_pages))
+        pad = [0] * (n - len(src_pages))  # the null page on both sides
+        t0 = time.perf_counter()
+        pages = self._gather(self.src.cache, self.src.put(np.asarray(src_pages + pad, np.int32)))
+        moved = jax.device_put(pages, self.page_shardings)
+        self.dst.cache = self._scatter(self.dst.cache, moved, self.dst.put(np.asarray(dst_pages + pad, np.int32)))
+        jax.block_until_ready(self.dst.cache)
+        self.seconds += time.perf_counter() - t0
+        self.bytes += sum(a.nbytes for a in jax.tree.leaves(pages)) * len(src_pages) // n
+        self.last = (list(src_pages), list(dst_pages))
+

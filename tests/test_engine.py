@@ -1,0 +1,167 @@
+"""The engine: PD disaggregation and colocated modes, paged pools, continuous batching, sampling, aborts."""
+
+import asyncio
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ernie_jax import LLM, RequestError, SamplingParams, SamplingParamsError, load_pretrained
+from ernie_jax.engine.async_engine import AsyncEngine
+from tests.conftest import GOLDEN
+
+SMALL = dict(max_model_len=64, max_num_seqs=4)
+
+
+@functools.lru_cache(maxsize=None)
+def golden_model(name="shared_untied"):
+    return load_pretrained(GOLDEN / name / "paddle", dtype=jnp.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def llm(mode: str, kv: str = "auto") -> LLM:
+    kw = {"pd": dict(mesh=8, prefill_devices=4), "colocated8": dict(mesh=8, disaggregate=False),
+          "single": {}}[mode]
+    return LLM(golden_model(), kv_cache_dtype=kv, **SMALL, **kw)
+
+
+@pytest.mark.parametrize("mode", ["single", "colocated8", "pd"])
+def test_greedy_matches_hf_in_every_mode(golden, mode):
+    g = golden("shared_untied")
+    engine_llm = llm(mode)
+    with jax.transfer_guard("disallow"):  # no implicit host<->device or cross-mesh copy hides anywhere
+        outs = engine_llm.generate(prompt_token_ids=g["greedy_prompt"].tolist(),
+                                   sampling_params=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == g["greedy_tokens"].tolist()
+    assert engine_llm.engine.allocator.free == engine_llm.engine.allocator.capacity
+
+
+def test_fp8_kv_cache_same_in_pd_and_colocated(golden):
+    g = golden("shared_untied")
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    a = llm("pd", "fp8").generate(prompt_token_ids=g["greedy_prompt"].tolist(), sampling_params=sp)
+    b = llm("single", "fp8").generate(prompt_token_ids=g["greedy_prompt"].tolist(), sampling_params=sp)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    # fp8 tolerance against HF: the first greedy token of each prompt (before any divergence compounds)
+    assert [o.outputs[0].token_ids[0] for o in a] == g["greedy_tokens"][:, 0].tolist()
+
+
+def test_pd_programs_run_on_their_submeshes_and_pages_move_bit_identically():
+    engine = llm("pd").engine
+    devices = jax.devices()
+    assert set(engine.prefiller.devices) == set(devices[:4]) and set(engine.decoder.devices) == set(devices[4:])
+    for compiled in engine.prefiller._prefill.values():
+        assert {d for s in jax.tree.leaves(compiled.input_shardings) for d in s.device_set} == set(devices[:4])
+    for compiled in engine.decoder._decode.values():
+        assert {d for s in jax.tree.leaves(compiled.input_shardings) for d in s.device_set} == set(devices[4:])
+    rid = engine.add_request(list(range(5, 40)), SamplingParams(temperature=0, max_tokens=4))
+    req = engine.requests[rid]
+    while not req.output_ids:
+        engine.step()
+    src, dst = engine.transfer.last
+    for s in range(len(engine.decoder.cache.k)):
+        for name in ("k", "v"):
+            a = jax.device_get(getattr(engine.prefiller.cache, name)[s][:, np.asarray(src)])
+            b = jax.device_get(getattr(engine.decoder.cache, name)[s][:, np.asarray(dst)])
+            np.testing.assert_array_equal(a, b)
+    engine.run_until_done([rid]) if rid in engine.requests else None
+    assert engine.allocator.free == engine.allocator.capacity
+
+
+def test_64_concurrent_requests_more_than_the_cache_holds():
+    model = golden_model()
+    # 10 pages of 16 slots: at most 2-3 requests fit at once, the rest wait for pages.
+    busy = LLM(model, max_model_len=64, max_num_seqs=4, num_pages=11)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 256, int(n)).tolist() for n in rng.integers(1, 40, 64)]
+    params = [SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True) for m in rng.integers(1, 20, 64)]
+    together = busy.generate(prompt_token_ids=prompts, sampling_params=params)
+    alone_llm = llm("single")
+    for p, sp, out in zip(prompts, params, together):
+        alone = alone_llm.generate(prompt_token_ids=[p], sampling_params=sp)[0]
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+        assert len(out.outputs[0].token_ids) == sp.max_tokens
+    assert busy.engine.allocator.free == busy.engine.allocator.capacity and not busy.engine.requests
+
+
+def test_bad_requests_keep_the_engine_serving():
+    engine_llm = llm("single")
+    with pytest.raises(RequestError, match="empty"):
+        engine_llm.generate(prompt_token_ids=[[]])
+    with pytest.raises(RequestError, match="max_model_len is 64"):
+        engine_llm.generate(prompt_token_ids=[list(range(3, 80))])
+    with pytest.raises(SamplingParamsError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(SamplingParamsError, match="top_p"):
+        SamplingParams(top_p=1.2)
+    engine = engine_llm.engine
+    ok = engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=3))
+    with pytest.raises(RequestError, match="already in use"):
+        engine.add_request([5, 6, 7], SamplingParams(), request_id=ok)
+    req = engine.requests[ok]
+    engine.run_until_done([ok])
+    assert len(req.output_ids) == 3 and req.finish_reason == "length"
+
+
+def test_abort_frees_pages_at_once():
+    engine = llm("single").engine
+    rid = engine.add_request(list(range(3, 30)), SamplingParams(temperature=0, max_tokens=30))
+    req = engine.requests[rid]
+    engine.step()
+    engine.step()
+    assert engine.allocator.free < engine.allocator.capacity
+    engine.abort(rid)
+    assert req.finish_reason == "abort" and engine.allocator.free == engine.allocator.capacity
+    assert not engine.has_unfinished()
+
+
+def test_sampling_controls_logprobs_and_penalties():
+    engine_llm = llm("single")
+    prompt = [[7, 8, 9, 10]]
+    out = engine_llm.generate(prompt_token_ids=prompt, sampling_params=SamplingParams(
+        temperature=0, max_tokens=5, ignore_eos=True, logprobs=3))[0].outputs[0]
+    assert len(out.logprobs) == 5 and all(len(lp["top"]) == 3 for lp in out.logprobs)
+    assert all(lp["top"][0][0] == lp["token"] and abs(lp["top"][0][1] - lp["logprob"]) < 1e-5 for lp in out.logprobs)
+    greedy = out.token_ids
+    penalised = engine_llm.generate(prompt_token_ids=prompt, sampling_params=SamplingParams(
+        temperature=0, max_tokens=5, ignore_eos=True, repetition_penalty=10.0, frequency_penalty=2.0))
+    assert len(set(penalised[0].outputs[0].token_ids)) == 5  # no token repeats under heavy penalties
+    assert greedy != penalised[0].outputs[0].token_ids or len(set(greedy)) == 5
+    seeded = [engine_llm.generate(prompt_token_ids=prompt, sampling_params=SamplingParams(
+        temperature=1.0, top_p=0.9, min_p=0.05, max_tokens=6, seed=11, ignore_eos=True))[0].outputs[0].token_ids
+        for _ in range(2)]
+    assert seeded[0] == seeded[1]
+    two = engine_llm.generate(prompt_token_ids=prompt, sampling_params=SamplingParams(
+        temperature=1.0, max_tokens=6, seed=3, n=2, ignore_eos=True))[0]
+    assert len(two.outputs) == 2 and two.outputs[0].token_ids != two.outputs[1].token_ids
+    # min_tokens: a stop token cannot end the output early
+    stop_at = greedy[0]
+    out = engine_llm.generate(prompt_token_ids=prompt, sampling_params=SamplingParams(
+        temperature=0, max_tokens=5, min_tokens=3, stop_token_ids=[stop_at]))[0].outputs[0]
+    assert len(out.token_ids) >= 3 and stop_at not in out.token_ids[:3]
+
+
+def test_async_engine_streams_and_aborts():
+    engine = llm("single").engine
+    runner = AsyncEngine(engine)
+
+    async def main():
+        stream = runner.add_request([4, 5, 6], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        seen = [out async for out in stream]
+        assert [len(o.outputs[0].token_ids) for o in seen] == list(range(1, 7)) and seen[-1].finished
+        long = runner.add_request([4, 5, 6], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        first = await long.__anext__()
+        await long.aclose()  # the consumer leaves: the request is aborted and its pages freed
+        for _ in range(100):
+            if engine.allocator.free == engine.allocator.capacity:
+                break
+            await asyncio.sleep(0.05)
+        return first
+    try:
+        first = asyncio.run(main())
+        assert len(first.outputs[0].token_ids) >= 1
+        assert engine.allocator.free == engine.allocator.capacity
+    finally:
+        runner.shutdown()
