@@ -278,6 +278,11 @@ PRESETS: dict[str, ErnieConfig] = {
         num_key_value_heads=2, head_dim=32, moe_intermediate_size=64, moe_num_experts=8, moe_k=2,
         moe_num_shared_experts=1, moe_layer_start_index=1, tie_word_embeddings=False,
         max_position_embeddings=4096, num_nextn_predict_layers=1),
+    # The benchmark's small random MoE (hidden 512, 8 layers, 16 experts top-4, vocab 8192).
+    "bench-512": ErnieConfig(
+        vocab_size=8192, hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=64, moe_intermediate_size=256, moe_num_experts=16, moe_k=4,
+        moe_num_shared_experts=0, moe_layer_start_index=1, tie_word_embeddings=False, max_position_embeddings=4096),
 }
 PRESETS["ernie-4.5-300b-a47b-fp8"] = PRESETS["ernie-4.5-300b-a47b"].replace(
     quantization_config=QuantizationConfig(dense_quant_type="block_wise_fp8", moe_quant_type="block_wise_fp8"))

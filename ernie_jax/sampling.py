@@ -94,7 +94,6 @@ def sample(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: j
 
     Returns (token ids [B] int32, token logprobs [B] f32, top ids [B,n], top logprobs [B,n]).
     """
-    V = logits.shape[-1]
     logprobs_all = jax.nn.log_softmax(logits, axis=-1)
     if penalties is not None:
         presence, frequency, repetition, counts, prompt_mask, bias = penalties
@@ -103,6 +102,17 @@ def sample(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: j
         logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
         logits = logits - frequency[:, None] * counts - presence[:, None] * (counts > 0) + bias
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    # An all-greedy batch skips the full-vocabulary sort (lax.cond runs one branch).
+    tokens = lax.cond(jnp.any(temperature > 0), lambda: _sample_rows(
+        logits, greedy, temperature, top_p, top_k, min_p, seeds, steps), lambda: greedy)
+    token_logprobs = jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = lax.top_k(logprobs_all, num_logprobs) if num_logprobs else (
+        jnp.zeros((logits.shape[0], 0)), jnp.zeros((logits.shape[0], 0), jnp.int32))
+    return tokens, token_logprobs, top_ids.astype(jnp.int32), top_lp
+
+
+def _sample_rows(logits, greedy, temperature, top_p, top_k, min_p, seeds, steps):
+    V = logits.shape[-1]
     t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
     sorted_logits, sorted_ids = lax.top_k(logits / t, V)
     rank = jnp.arange(V)[None, :]
@@ -114,8 +124,4 @@ def sample(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: j
     keys = jax.vmap(_row_key)(seeds, steps)
     choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, sorted_logits, -jnp.inf))
     sampled = jnp.take_along_axis(sorted_ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    tokens = jnp.where(temperature > 0, sampled, greedy)
-    token_logprobs = jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
-    top_lp, top_ids = lax.top_k(logprobs_all, num_logprobs) if num_logprobs else (
-        jnp.zeros((logits.shape[0], 0)), jnp.zeros((logits.shape[0], 0), jnp.int32))
-    return tokens, token_logprobs, top_ids.astype(jnp.int32), top_lp
+    return jnp.where(temperature > 0, sampled, greedy)

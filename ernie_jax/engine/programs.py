@@ -67,7 +67,8 @@ class ModelPrograms:
                             out_shardings=(self.replicated, self.cache_shardings))
         self._prefill = {T: self._compile("prefill", 1, T) for T in prefill_buckets}
         self._decode = {B: self._compile("decode", B, 1) for B in decode_buckets}
-        self._sample = {}
+        for B in sorted(({1} if prefill_buckets else set()) | set(decode_buckets)):
+            self._warm_sampler(B)
 
     def _compile(self, kind: str, B: int, T: int):
         t0 = time.perf_counter()
@@ -78,6 +79,16 @@ class ModelPrograms:
                                    ).compile()
         self.report.append((f"{self.name} {kind}", B if kind == "decode" else T, time.perf_counter() - t0))
         return compiled
+
+    def _warm_sampler(self, B: int) -> None:
+        """Compile the sampler for a batch bucket now (plain sampling; penalties and min-p compile on use)."""
+        t0 = time.perf_counter()
+        logits = jax.device_put(np.zeros((B, self.cfg.vocab_size), np.float32), self.replicated)
+        f32, i32 = np.zeros(B, np.float32), np.zeros(B, np.int32)
+        jax.block_until_ready(self.sample(logits, {"temperature": f32, "top_p": f32 + 1, "top_k": i32,
+                                                   "seeds": i32.astype(np.uint32), "steps": i32, "min_p": None,
+                                                   "penalties": None}, 0))
+        self.report.append((f"{self.name} sampler", B, time.perf_counter() - t0))
 
     def put(self, x) -> jax.Array:
         """Explicit host -> device copy onto this mesh (replicated)."""

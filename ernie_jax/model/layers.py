@@ -107,6 +107,19 @@ def _ragged_dot(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
     return lax.ragged_dot(x, w.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
 
 
+# "auto" picks by backend at trace time; tests set "ragged" to run the accelerator path on CPU.
+EXPERT_IMPL = "auto"
+
+
+def dense_experts() -> bool:
+    """Which routed-expert formulation to trace. XLA:CPU runs ragged_dot as a dense loop over every group
+    on every row (ANCHORS P5), so on CPU computing each local expert on each token is k times cheaper;
+    accelerators take the grouped (ragged) matmul, whose cost follows the routed rows."""
+    if EXPERT_IMPL != "auto":
+        return EXPERT_IMPL == "dense"
+    return jax.default_backend() == "cpu"
+
+
 def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, up_gate, down, num_experts: int,
                    first_expert: jax.Array | int = 0) -> jax.Array:
     """The routed-expert output of the experts [first_expert, first_expert + E_local) held in up_gate/down.
@@ -117,6 +130,21 @@ def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, up_gate, do
     """
     T, k = ids.shape
     local = up_gate.shape[0]
+    if dense_experts():
+        # Every local expert on every token, weighted by the (mostly zero) routing matrix: T*E_local expert
+        # products, where XLA:CPU's ragged_dot decomposition would do T*k*E_local.
+        gates = jnp.zeros((T, num_experts), jnp.float32).at[jnp.arange(T)[:, None], ids].add(weights)
+        gates = lax.dynamic_slice_in_dim(gates, first_expert, local, axis=1)
+        if isinstance(up_gate, BlockFP8) or isinstance(down, BlockFP8):
+            per_expert = jax.vmap(lambda w1, w2: swiglu(x, w1, w2))(up_gate, down)  # [E_local, T, H]
+            return jnp.einsum("eth,te->th", per_expert, gates.astype(x.dtype),
+                              preferred_element_type=jnp.float32).astype(x.dtype)
+        # Two GEMMs over all local experts at once; the routing weights scale the inner activations, so the
+        # down projection also sums over the experts.
+        u = jnp.einsum("th,ehf->tef", x, up_gate.astype(x.dtype), preferred_element_type=jnp.float32)
+        g, up = jnp.split(u.astype(x.dtype), 2, axis=-1)
+        a = jax.nn.silu(g) * up * gates.astype(x.dtype)[..., None]
+        return jnp.einsum("tef,efh->th", a, down.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
     order, inverse, sizes = sort_by_expert(ids, num_experts)
     xs = x[order // k]
     if local == num_experts:

@@ -1,0 +1,130 @@
+"""Benchmarks: `python -m ernie_jax.bench offline ...` (the offline engine, optionally against HF).
+
+    python -m ernie_jax.bench offline --model bench-512 --num-prompts 16 --input-len 128 --output-len 128 \\
+        [--compare-hf] [--mesh 8 --prefill-devices 4] [--dtype float32]
+
+All prompts are submitted at once (random token ids, `ignore_eos`, greedy), so the engine batches them;
+reported: output tokens/s, TTFT and TPOT percentiles (per request, as vLLM defines them), and the compile
+report. `--compare-hf` builds the same random weights in HF transformers (saved and loaded through the HF
+layout, so both stacks run identical numbers), times `generate` on the same batch, and prints the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+
+def _percentiles(xs: list[float]) -> str:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return "n/a"
+    return " ".join(f"p{q}={np.percentile(xs, q) * 1e3:.1f}ms" for q in (50, 90, 99))
+
+
+def _hf_model(cfg, folder: str):
+    """A random HF Ernie4_5_MoeForCausalLM of this config, saved to `folder`."""
+    import torch
+    from transformers import Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM
+    torch.manual_seed(0)
+    hf_cfg = Ernie4_5_MoeConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+        moe_intermediate_size=cfg.moe_intermediate_size, moe_k=cfg.moe_k, moe_num_experts=cfg.moe_num_experts,
+        moe_num_shared_experts=cfg.moe_num_shared_experts, moe_layer_start_index=cfg.moe_layer_start_index,
+        moe_layer_end_index=cfg.moe_layer_end_index, moe_layer_interval=cfg.moe_layer_interval,
+        tie_word_embeddings=cfg.tie_word_embeddings, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps)
+    model = Ernie4_5_MoeForCausalLM(hf_cfg).eval()
+    model.save_pretrained(folder)
+    return model
+
+
+def offline(args) -> int:
+    from ernie_jax import LLM, SamplingParams
+    from ernie_jax.config import PRESETS, ErnieConfig
+
+    hf = None
+    model = args.model
+    tmp = tempfile.TemporaryDirectory()
+    if args.compare_hf:
+        cfg = ErnieConfig.preset(model) if model.lower() in PRESETS else ErnieConfig.from_pretrained(model)
+        hf = _hf_model(cfg, tmp.name)
+        model = tmp.name
+    t0 = time.perf_counter()
+    llm = LLM(model, dtype=args.dtype, max_model_len=args.input_len + args.output_len,
+              max_num_seqs=args.max_num_seqs or args.num_prompts, mesh=args.mesh, prefill_devices=args.prefill_devices,
+              disaggregate=not args.no_disaggregate, kv_cache_dtype=args.kv_cache_dtype,
+              prefill_chunk=max(16, args.input_len))
+    startup = time.perf_counter() - t0
+    cfg = llm.model.config
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(3, cfg.vocab_size, (args.num_prompts, args.input_len)).tolist()
+    sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(temperature=0, max_tokens=2))  # warm
+    t0 = time.perf_counter()
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp)
+    wall = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(f"model {args.model}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.moe_num_experts} "
+          f"experts top-{cfg.moe_k}, vocab {cfg.vocab_size}; {args.dtype}; engine start-up {startup:.1f}s")
+    print("compile report: " + ", ".join(f"{name} {b}: {s:.2f}s" for name, b, s in llm.engine.compile_report))
+    print(f"| stack | requests | output tokens | wall s | output tok/s | TTFT | TPOT |")
+    print(f"|---|---|---|---|---|---|---|")
+    print(f"| ernie_jax | {len(outs)} | {n_out} | {wall:.2f} | {n_out / wall:.1f} | "
+          f"{_percentiles([o.metrics['ttft'] for o in outs])} | {_percentiles([o.metrics['tpot'] for o in outs])} |")
+    if hf is not None:
+        import torch
+        torch.set_num_threads(os.cpu_count() or 1)
+        ids = torch.tensor(prompts)
+        kw = dict(do_sample=False, max_new_tokens=args.output_len, min_new_tokens=args.output_len, eos_token_id=None,
+                  pad_token_id=0)
+        with torch.no_grad():
+            hf.generate(ids[:1], max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)  # warm
+            t0 = time.perf_counter()
+            hf_out = hf.generate(ids, **kw)
+            hf_wall = time.perf_counter() - t0
+        hf_n = (hf_out.shape[1] - args.input_len) * hf_out.shape[0]
+        print(f"| HF transformers generate | {len(prompts)} | {hf_n} | {hf_wall:.2f} | {hf_n / hf_wall:.1f} | - | - |")
+        print(f"throughput ratio ernie_jax / HF = {(n_out / wall) / (hf_n / hf_wall):.2f}x")
+        same = sum(o.outputs[0].token_ids == hf_out[i, args.input_len:].tolist() for i, o in enumerate(outs))
+        print(f"greedy outputs identical to HF for {same}/{len(outs)} requests")
+    tmp.cleanup()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ernie_jax.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    off = sub.add_parser("offline", help="the offline engine on a batch of random prompts")
+    off.add_argument("--model", default="bench-512", help="preset or checkpoint folder")
+    off.add_argument("--num-prompts", type=int, default=16)
+    off.add_argument("--input-len", type=int, default=128)
+    off.add_argument("--output-len", type=int, default=128)
+    off.add_argument("--max-num-seqs", type=int, default=None, help="default: --num-prompts")
+    off.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    off.add_argument("--kv-cache-dtype", default="auto")
+    off.add_argument("--mesh", default=None)
+    off.add_argument("--prefill-devices", type=int, default=None)
+    off.add_argument("--no-disaggregate", action="store_true")
+    off.add_argument("--compare-hf", action="store_true", help="also time HF transformers generate (needs torch)")
+    args = ap.parse_args(argv)
+    if args.mesh:
+        n = 1
+        for part in str(args.mesh).split(","):
+            n *= int(part.rpartition("=")[2])
+        if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                       f" --xla_force_host_platform_device_count={n}").strip()
+    return offline(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
