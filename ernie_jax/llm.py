@@ -13,6 +13,7 @@ import json
 import os
 from typing import Sequence
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -38,16 +39,22 @@ class LLM:
     mesh: None (one device) or a device count / mesh spec; with `disaggregate` (default) prefill runs on
     the first `prefill_devices` (default half) and decode on the others, each with its own weight copy.
     max_num_seqs: the decode batch limit; max_model_len: prompt + output limit (default min(model's, 2048)).
+    compilation_cache_dir: JAX's persistent compilation cache (None: off; an already configured one wins).
     """
 
     def __init__(self, model: str | ErnieForCausalLM, *, dtype: str = "bfloat16", seed: int = 0,
                  max_model_len: int | None = None, max_num_seqs: int = 8, quantization: str | None = None,
                  fp8_compute: str = "w8a8", kv_cache_dtype: str = "auto", mesh: int | str | None = None,
                  prefill_devices: int | None = None, disaggregate: bool = True, sharding: str = "tp_ep",
-                 page_size: int = 16, num_pages: int | None = None, prefill_chunk: int = 512):
+                 page_size: int = 16, num_pages: int | None = None, prefill_chunk: int = 512,
+                 compilation_cache_dir: str | None = "~/.cache/ernie_jax/xla"):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
         jdtype = _DTYPES[dtype]
+        if compilation_cache_dir and not jax.config.jax_compilation_cache_dir:
+            # Every bucket is compiled at start-up; a warm restart reads them back from this folder.
+            jax.config.update("jax_compilation_cache_dir", os.path.expanduser(compilation_cache_dir))
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         self.tokenizer: Tokenizer | None = None
         self.generation_config: dict = {}
         if isinstance(model, ErnieForCausalLM):
