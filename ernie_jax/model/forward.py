@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ernie_jax import pallas as kernels
 from ernie_jax.config import ErnieConfig
 from ernie_jax.model import kv_cache as kvc
 from ernie_jax.model.layers import attention, linear, moe, rms_norm, rope, swiglu
@@ -49,9 +50,15 @@ def attention_block(x, w, cfg: ErnieConfig, positions, seg_cache=None, layer=Non
         out = attention(q, k, v, positions, positions)
     else:
         seg_cache = kvc.write(seg_cache, layer, k, v, positions, block_tables, (w.get("k_scale"), w.get("v_scale")))
-        ck, cv = kvc.read(seg_cache, layer, block_tables, q.dtype)
-        slots = jnp.broadcast_to(jnp.arange(ck.shape[1]), (B, ck.shape[1]))
-        out = attention(q, ck, cv, positions, slots)
+        if T == 1 and kernels.use_kernels(plan):  # decode: the paged kernel reads the pages in place
+            scale = (lambda n: seg_cache[n][layer]) if "k_scale" in seg_cache else (lambda n: None)
+            out = kernels.paged_decode_attention(q[:, 0], seg_cache["k"][layer], seg_cache["v"][layer],
+                                                 scale("k_scale"), scale("v_scale"), block_tables,
+                                                 positions[:, 0] + 1).reshape(B, 1, -1)
+        else:
+            ck, cv = kvc.read(seg_cache, layer, block_tables, q.dtype)
+            slots = jnp.broadcast_to(jnp.arange(ck.shape[1]), (B, ck.shape[1]))
+            out = attention(q, ck, cv, positions, slots)
     return linear(out, w["o"]), seg_cache
 
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ernie_jax.config import ErnieConfig
+from ernie_jax import pallas as kernels
 from ernie_jax.quant import BlockFP8, fp8_linear, fp8_ragged_dot
 
 _NEG_INF = -1e30
@@ -23,6 +24,9 @@ _NEG_INF = -1e30
 def linear(x: jax.Array, w) -> jax.Array:
     """y = x @ w with w in the Paddle [in, out] orientation; the one place matmul numerics are chosen."""
     if isinstance(w, BlockFP8):
+        if w.compute == "w8a8" and w.values.ndim == 2 and kernels.use_kernels(None):
+            y = kernels.block_fp8_matmul(x.reshape(-1, x.shape[-1]), w.values, w.scales)
+            return y.reshape(*x.shape[:-1], y.shape[-1])
         return fp8_linear(x, w)
     return jnp.einsum("...i,io->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
 
@@ -103,6 +107,8 @@ def grouped_swiglu(xs: jax.Array, up_gate: jax.Array, down: jax.Array, group_siz
 
 def _ragged_dot(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
     if isinstance(w, BlockFP8):
+        if w.compute == "w8a8" and kernels.use_kernels(None):
+            return kernels.grouped_block_fp8_matmul(x, w.values, w.scales, group_sizes)
         return fp8_ragged_dot(x, w, group_sizes)
     return lax.ragged_dot(x, w.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
 

@@ -1,0 +1,57 @@
+"""Pallas GPU kernels, each with an XLA reference of the same contract, behind one dispatch entry point.
+
+`implementation`: "pallas" (the kernel; on a CPU it runs in the Pallas interpreter), "xla" (the reference),
+or None = pallas on GPU, xla elsewhere. The model calls these entry points, so a single-device GPU run
+picks the kernels. Sharded programs keep the XLA paths: a pallas_call is not partitioned by GSPMD, and
+wrapping the kernels in shard_map is still to do.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from ernie_jax.pallas.block_fp8_matmul import block_fp8_matmul_pallas, block_fp8_matmul_reference
+from ernie_jax.pallas.grouped_fp8_matmul import grouped_block_fp8_matmul_pallas, grouped_block_fp8_matmul_reference
+from ernie_jax.pallas.paged_attention import paged_decode_attention_pallas, paged_decode_attention_reference
+
+IMPLEMENTATIONS = ("pallas", "xla")
+
+
+def resolve(implementation: str | None) -> str:
+    if implementation is None:
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r}: expected one of {IMPLEMENTATIONS} or None")
+    return implementation
+
+
+def use_kernels(plan) -> bool:
+    """Whether the model should route through the kernels: on a GPU, in unsharded programs."""
+    return plan is None and resolve(None) == "pallas"
+
+
+def block_fp8_matmul(x, w_q, w_scale, implementation: str | None = None):
+    """x [M, K] @ block-FP8 W [K, N] with FastDeploy w8a8 numerics -> [M, N] in x's dtype."""
+    if resolve(implementation) == "xla":
+        return block_fp8_matmul_reference(x, w_q, w_scale)
+    return block_fp8_matmul_pallas(x, w_q, w_scale, interpret=jax.default_backend() != "gpu")
+
+
+def grouped_block_fp8_matmul(x, w_q, w_scale, group_sizes, implementation: str | None = None):
+    """Rows of x sorted by group; group g multiplies block-FP8 w_q[g] -> [M, N] in x's dtype."""
+    if resolve(implementation) == "xla":
+        return grouped_block_fp8_matmul_reference(x, w_q, w_scale, group_sizes)
+    return grouped_block_fp8_matmul_pallas(x, w_q, w_scale, group_sizes, interpret=jax.default_backend() != "gpu")
+
+
+def paged_decode_attention(q, k_pages, v_pages, k_scale, v_scale, block_tables, lengths,
+                           implementation: str | None = None):
+    """One query token per sequence over its paged KV cache (bf16, or fp8 with scales) -> [B, N, D]."""
+    if resolve(implementation) == "xla":
+        return paged_decode_attention_reference(q, k_pages, v_pages, k_scale, v_scale, block_tables, lengths)
+    return paged_decode_attention_pallas(q, k_pages, v_pages, k_scale, v_scale, block_tables, lengths,
+                                         interpret=jax.default_backend() != "gpu")
+
+
+__all__ = ["IMPLEMENTATIONS", "block_fp8_matmul", "grouped_block_fp8_matmul", "paged_decode_attention", "resolve",
+           "use_kernels"]

@@ -1,0 +1,89 @@
+"""Block-FP8 matmul (FastDeploy w8a8 numerics) as a Pallas GPU kernel, with its XLA reference.
+
+y[t, o] = sum over 128-wide K blocks kb of (x_q[t, kb] . w_q[kb, o]) * x_scale[t, kb] * w_scale[kb, o // 128]:
+the activation tile is quantized to e4m3 per token per 128 channels inside the kernel, each K block is an
+FP8 x FP8 product accumulated in f32, then promoted by the two scales (Hopper has no block-scaled MMA, so
+the promotion is per K block, DeepGEMM style). Output in the activation dtype.
+
+Backend: Pallas-Triton. Mosaic GPU is JAX's supported GPU backend, but an FP8 wgmma kernel there needs a
+warp-specialised TMA pipeline and K-contiguous ([N, K]) weights, and its CPU interpreter is a private API;
+the Triton lowering takes the same tiles through `tl.dot` on e4m3 operands (sm89+), runs in the generic
+Pallas interpreter on CPU (the tests) and lowers for CUDA here. Weights stay [K, N] as the checkpoint
+stores them; Triton converts the B operand's layout for the MMA.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from ernie_jax.quant import FP8, FP8_MAX, BlockFP8, fp8_linear
+
+BK = 128  # the K block of the weight scales and of the activation groups
+BN = 128  # one weight-scale column per output tile
+
+
+def _round_up(a: int, b: int) -> int:
+    return -(-a // b) * b
+
+
+def _block_m(m: int) -> int:
+    """Row tile: small for decode-sized M, 64 for prefill-sized."""
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+def quantize_tile(x):
+    """Per-row e4m3 quantization of a [rows, 128] f32 tile: (values, dequant scales [rows, 1])."""
+    amax = jnp.maximum(jnp.max(jnp.abs(x), axis=1, keepdims=True), 1e-10)
+    return jnp.clip(x * (FP8_MAX / amax), -FP8_MAX, FP8_MAX).astype(FP8), amax / FP8_MAX
+
+
+def _kernel(x_ref, w_ref, ws_ref, o_ref, *, n_kb: int, bm: int):
+    i, j = pl.program_id(0), pl.program_id(1)
+
+    def body(kb, acc):
+        xq, xs = quantize_tile(x_ref[pl.ds(i * bm, bm), pl.ds(kb * BK, BK)].astype(jnp.float32))
+        w = w_ref[pl.ds(kb * BK, BK), pl.ds(j * BN, BN)]
+        part = jnp.dot(xq, w, preferred_element_type=jnp.float32)
+        return acc + part * xs * ws_ref[kb, j]
+
+    acc = lax.fori_loop(0, n_kb, body, jnp.zeros((bm, BN), jnp.float32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def pad_operands(x, w_q, w_scale, bm: int):
+    """Zero-pad rows to the row tile and K, N to whole 128 blocks (zeros add nothing to any product)."""
+    M, K = x.shape
+    N = w_q.shape[-1]
+    Mp, Kp, Np = _round_up(M, bm), _round_up(K, BK), _round_up(N, BN)
+    x = jnp.pad(x, ((0, Mp - M), (0, Kp - K)))
+    pad_w = [(0, 0)] * (w_q.ndim - 2) + [(0, Kp - K), (0, Np - N)]
+    return x, jnp.pad(w_q, pad_w), w_scale.astype(jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def block_fp8_matmul_pallas(x, w_q, w_scale, interpret: bool = False):
+    """x [M, K] (bf16/f32); w_q [K, N] e4m3; w_scale [ceil(K/128), ceil(N/128)] f32 -> [M, N] in x's dtype."""
+    M, N = x.shape[0], w_q.shape[1]
+    bm = _block_m(M)
+    xp, wp, ws = pad_operands(x, w_q, w_scale, bm)
+    out = pl.pallas_call(
+        functools.partial(_kernel, n_kb=wp.shape[0] // BK, bm=bm),
+        out_shape=jax.ShapeDtypeStruct((xp.shape[0], wp.shape[1]), x.dtype),
+        grid=(xp.shape[0] // bm, wp.shape[1] // BN),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * 3,
+        out_specs=pl.BlockSpec((bm, BN), lambda i, j: (i, j)),
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=3),
+        interpret=interpret,
+    )(xp, wp, ws)
+    return out[:M, :N]
+
+
+def block_fp8_matmul_reference(x, w_q, w_scale):
+    """The XLA path of the same contract (quant.fp8_linear in w8a8 mode)."""
+    return fp8_linear(x, BlockFP8(w_q, w_scale), "w8a8")

@@ -1,0 +1,80 @@
+"""Grouped block-FP8 matmul for MoE experts (tokens sorted by expert, ragged groups), Pallas GPU kernel + XLA reference.
+
+x [M, K] rows sorted by group, group_sizes [G]: rows of group g use w_q[g] [K, N] with w_scale[g]. The
+wrapper lays the rows out so that every group starts on a row-tile boundary (at most bm - 1 padding rows
+per group, a static bound), records each tile's group, and the kernel (the block_fp8_matmul kernel body
+with the tile's group picked from that table) never mixes two experts in one MMA tile. Empty groups get no
+tile. Rows past sum(group_sizes) produce zeros, as in `lax.ragged_dot`. Backend: Pallas-Triton, for the
+reasons in block_fp8_matmul.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from ernie_jax.pallas.block_fp8_matmul import BK, BN, _round_up, pad_operands, quantize_tile
+from ernie_jax.quant import BlockFP8, fp8_ragged_dot
+
+
+def _kernel(tile_group_ref, x_ref, w_ref, ws_ref, o_ref, *, n_kb: int, bm: int):
+    i, j = pl.program_id(0), pl.program_id(1)
+    g = tile_group_ref[i]
+
+    def body(kb, acc):
+        xq, xs = quantize_tile(x_ref[pl.ds(i * bm, bm), pl.ds(kb * BK, BK)].astype(jnp.float32))
+        w = w_ref[g, pl.ds(kb * BK, BK), pl.ds(j * BN, BN)]
+        part = jnp.dot(xq, w, preferred_element_type=jnp.float32)
+        return acc + part * xs * ws_ref[g, kb, j]
+
+    acc = lax.fori_loop(0, n_kb, body, jnp.zeros((bm, BN), jnp.float32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def tile_layout(group_sizes, M: int, bm: int):
+    """Where each sorted row goes in the tile-aligned buffer, and each tile's group.
+
+    Returns (dest [M] row index, valid [M] bool, tile_group [tiles] int32, padded row count)."""
+    G = group_sizes.shape[0]
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    padded = (sizes + bm - 1) // bm * bm
+    pstarts = jnp.cumsum(padded) - padded
+    rows = jnp.arange(M, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(ends, rows, side="right"), G - 1)
+    valid = rows < ends[-1]
+    Mp = _round_up(M + G * (bm - 1), bm) + bm  # the last tile takes the rows past the groups
+    dest = jnp.where(valid, pstarts[group] + rows - (ends[group] - sizes[group]), Mp - bm + rows % bm)
+    tile_starts = jnp.arange(Mp // bm, dtype=jnp.int32) * bm
+    tile_group = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded), tile_starts, side="right"), G - 1)
+    return dest, valid, tile_group.astype(jnp.int32), Mp
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def grouped_block_fp8_matmul_pallas(x, w_q, w_scale, group_sizes, interpret: bool = False):
+    """x [M, K]; w_q [G, K, N] e4m3; w_scale [G, ceil(K/128), ceil(N/128)]; group_sizes [G] -> [M, N]."""
+    M, N = x.shape[0], w_q.shape[-1]
+    bm = 16 if M <= 8 * w_q.shape[0] else 64  # decode-sized groups hold a few rows each
+    dest, valid, tile_group, Mp = tile_layout(group_sizes, M, bm)
+    xp = jnp.zeros((Mp, x.shape[1]), x.dtype).at[dest].set(x)
+    xp, wp, ws = pad_operands(xp, w_q, w_scale, bm)
+    out = pl.pallas_call(
+        functools.partial(_kernel, n_kb=wp.shape[1] // BK, bm=bm),
+        out_shape=jax.ShapeDtypeStruct((Mp, wp.shape[2]), x.dtype),
+        grid=(Mp // bm, wp.shape[2] // BN),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * 4,
+        out_specs=pl.BlockSpec((bm, BN), lambda i, j: (i, j)),
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=3),
+        interpret=interpret,
+    )(tile_group, xp, wp, ws)
+    return jnp.where(valid[:, None], out[dest, :N], 0).astype(x.dtype)
+
+
+def grouped_block_fp8_matmul_reference(x, w_q, w_scale, group_sizes):
+    """The XLA path of the same contract (quant.fp8_ragged_dot in w8a8 mode)."""
+    return fp8_ragged_dot(x, BlockFP8(w_q, w_scale), group_sizes, "w8a8").astype(x.dtype)
