@@ -220,8 +220,6 @@ class ErnieConfig:
                 raise ConfigError(f"{source}: field '{name}' must be an integer, got {val!r}")
         if d.get("quantization_config"):
             kw["quantization_config"] = QuantizationConfig.from_dict(d["quantization_config"])
-        if "num_nextn_predict_layers" not in kw:
-            kw["num_nextn_predict_layers"] = 0
         try:
             return cls(**kw)
         except ConfigError as e:

@@ -27,3 +27,14 @@ def golden():
     def get(name: str):
         return np.load(GOLDEN / name / "golden.npz")
     return get
+
+
+def rewrite_safetensors(folder, edit):
+    """Rewrite folder/model.safetensors after `edit(tensors, header_dtypes)` changed the dicts in place."""
+    from ernie_jax.checkpoint.safetensors_io import SafetensorsCheckpoint, read_tensor, save_file
+    file = folder / "model.safetensors"
+    ckpt = SafetensorsCheckpoint(str(file))
+    tensors = {k: np.array(read_tensor(ckpt.info(k), bitcast=False)) for k in ckpt.keys()}
+    names = {k: ckpt.info(k).dtype for k in ckpt.keys()}
+    edit(tensors, names)
+    save_file(tensors, str(file), dtype_names={k: v for k, v in names.items() if k in tensors})

@@ -15,6 +15,7 @@ from ernie_jax.model.weights import abstract_weights
 from ernie_jax.quant import BlockFP8, dequantize, fp8_linear, fp8_ragged_dot, quantize_block_fp8
 from tests import fp8_reference as ref
 from tests.conftest import GOLDEN
+from tests.conftest import rewrite_safetensors as _rewrite
 
 SHAPES = [(256, 384), (200, 72), (130, 300), (64, 64)]
 
@@ -169,16 +170,6 @@ def test_fp8_kv_cache_dynamic_and_static_scales(tmp_path):
     assert np.allclose(np.asarray(cache.k_scale[0][:, :, :T]), 50.0 / 448)
     assert np.abs(static - exact).max() > np.abs(dyn - exact).max()
     np.testing.assert_array_equal(run(static_model, "auto")[0], exact)  # f32/bf16 caches ignore the scales
-
-
-def _rewrite(folder, edit):
-    from ernie_jax.checkpoint.safetensors_io import SafetensorsCheckpoint, read_tensor, save_file
-    file = folder / "model.safetensors"
-    ckpt = SafetensorsCheckpoint(str(file))
-    tensors = {k: np.array(read_tensor(ckpt.info(k), bitcast=False)) for k in ckpt.keys()}
-    names = {k: ckpt.info(k).dtype for k in ckpt.keys()}
-    edit(tensors, names)
-    save_file(tensors, str(file), dtype_names={k: v for k, v in names.items() if k in tensors})
 
 
 @pytest.fixture

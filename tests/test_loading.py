@@ -7,24 +7,14 @@ import numpy as np
 import pytest
 
 from ernie_jax import CheckpointError, ConfigError, load_pretrained
-from ernie_jax.checkpoint.safetensors_io import SafetensorsCheckpoint, read_tensor, save_file
 from tests.conftest import GOLDEN
+from tests.conftest import rewrite_safetensors as rewrite
 
 
 def copy_ckpt(tmp_path, name="shared_untied", layout="paddle"):
     dst = tmp_path / f"{name}_{layout}"
     shutil.copytree(GOLDEN / name / layout, dst)
     return dst
-
-
-def rewrite(folder, edit):
-    """Rewrite model.safetensors after `edit(tensors, dtype_names)` changes it in place."""
-    file = folder / "model.safetensors"
-    ckpt = SafetensorsCheckpoint(str(file))
-    tensors = {k: np.array(read_tensor(ckpt.info(k), bitcast=False)) for k in ckpt.keys()}
-    dtype_names = {k: ckpt.info(k).dtype for k in ckpt.keys()}
-    edit(tensors, dtype_names)
-    save_file(tensors, str(file), dtype_names={k: v for k, v in dtype_names.items() if k in tensors})
 
 
 def test_folder_without_config(tmp_path):

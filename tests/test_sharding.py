@@ -84,7 +84,6 @@ def test_skewed_routing_drops_nothing_under_ep():
     sharded = skewed.shard(plan)
     x = jax.random.normal(jax.random.key(0), (4, 16, cfg.hidden_size))
     layer_w = jax.tree.map(lambda a: a[0], sharded.weights()["segments"][1])
-    positions = jnp.broadcast_to(jnp.arange(16), (4, 16))
     from ernie_jax.sharding.expert_parallel import moe_ep
     y, ids = jax.jit(lambda x, w: moe_ep(x, w, cfg, plan))(x, layer_w)
     assert set(np.unique(np.asarray(ids))) == {0, 1}
@@ -93,17 +92,14 @@ def test_skewed_routing_drops_nothing_under_ep():
     # and end to end: every one of the 64 tokens through every MoE layer
     ids_tok = np.random.default_rng(2).integers(3, 256, (4, 16)).astype(np.int32)
     np.testing.assert_allclose(np.asarray(sharded(ids_tok)), np.asarray(skewed(ids_tok)), atol=1e-5)
-    del positions
 
 
 def test_ep_moe_has_no_expert_weight_all_gather_on_gpu_lowering():
     cfg = ErnieConfig.preset("tiny")
     plan = ShardingPlan.create(make_mesh(8))
     w = abstract_weights(cfg, jnp.bfloat16)["segments"][1]
-    w = jax.tree.map(lambda a: a, w)
     layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), w)
-    shardings = jax.tree.map(lambda a, s: s, layer, plan.shardings(layer))
-    layer = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), layer, shardings)
+    layer = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), layer, plan.shardings(layer))
     x = jax.ShapeDtypeStruct((8, 4, cfg.hidden_size), jnp.bfloat16)
     pos = jax.ShapeDtypeStruct((8, 4), jnp.int32)
     f = jax.jit(lambda h, w, p: decoder_layer(h, w, "moe", cfg, p, plan=plan)[0])

@@ -232,7 +232,7 @@ class Engine:
         if self.tokenizer is not None:
             req.text = self.tokenizer.decode(req.output_ids)
         n_out = len(req.output_ids)
-        if token in self._stop_ids(req) and n_out > req.params.min_tokens - 1:
+        if token in self._stop_ids(req) and n_out >= req.params.min_tokens:
             return self._finish(req, "stop", token)
         if req.params.stop and n_out >= req.params.min_tokens:
             for s in req.params.stop:

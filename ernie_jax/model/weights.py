@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ernie_jax.config import ErnieConfig, LayerSegment
+from ernie_jax.config import ErnieConfig
 from ernie_jax.quant import FP8, BlockFP8, quantize_block_fp8, scale_shape
 
 # Kept in f32 whatever the model dtype: routing decisions must not change with the activation dtype.
@@ -159,11 +159,3 @@ def param_counts(cfg: ErnieConfig) -> dict[str, int]:
     idle = cfg.moe_num_experts - cfg.moe_k
     active -= cfg.num_moe_layers * idle * per_expert
     return {"total": total, "active": active, "mtp": mtp}
-
-
-def segment_of_layer(cfg: ErnieConfig, layer: int) -> tuple[int, int, LayerSegment]:
-    """(segment index, index inside the segment, segment) of a global layer index."""
-    for s, seg in enumerate(cfg.layer_segments()):
-        if seg.start <= layer < seg.start + seg.count:
-            return s, layer - seg.start, seg
-    raise IndexError(f"layer {layer} out of range [0, {cfg.num_hidden_layers})")
