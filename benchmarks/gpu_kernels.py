@@ -1,4 +1,4 @@
-"""GPU kernel benchmark (H100/H200): Pallas block-FP8 matmuls and FP8 paged decode attention vs XLA.
+"""GPU kernel benchmark (H100/H200): Pallas block-FP8 matmuls and FP8 paged attention vs XLA.
 
     PYTHONPATH=. python benchmarks/gpu_kernels.py            # on the GPU machine, under 5 minutes
     PYTHONPATH=. python benchmarks/gpu_kernels.py --smoke    # tiny shapes, any backend (CPU: interpreted)
@@ -10,7 +10,8 @@ M = 1, 64, 256, 4096: TFLOP/s (2MNK / t) and GB/s (FP8 weights + scales + activa
   xla-fp8  a plain per-tensor e4m3 x e4m3 dot with f32 accumulation (no block scales: a speed anchor),
 and as fractions of the H200's 1,979 dense FP8 TFLOP/s and 4.8 TB/s. The grouped kernel runs 8 local
 experts of the expert shapes with the rows spread evenly; paged attention reads an FP8 cache (B x context
-tokens, 8 KV heads of 128, 64 query heads) and reports the cache bytes read per second.
+tokens, 8 KV heads of 128, 64 query heads) and reports the cache bytes read per second; the causal
+prefill over the same cache reports TFLOP/s.
 """
 
 from __future__ import annotations
@@ -100,6 +101,23 @@ def attention(batches, context, reps, page=16, K=8, D=128, N=64):
               flush=True)
 
 
+def prefill_attention(chunks, reps, page=16, K=8, D=128, N=64):
+    print("\n| paged prefill attention (fp8 KV, causal chunk from position 0) | tokens | us | TFLOP/s | % FP8 peak |")
+    print("|---|---|---|---|---|")
+    for T in chunks:
+        P = T // page + 1
+        kv = jax.random.normal(jax.random.key(0), (P, page, K, D), jnp.float32).astype(jnp.float8_e4m3fn)
+        scale = jnp.full((P, page, K), 0.01, jnp.float32)
+        q = jax.random.normal(jax.random.key(1), (1, T, N, D), jnp.float32).astype(jnp.bfloat16)
+        tables = (1 + jnp.arange(T // page, dtype=jnp.int32))[None]
+        positions = jnp.arange(T, dtype=jnp.int32)[None]
+        fn = jax.jit(lambda *a: kernels.paged_attention(*a, implementation="pallas"))
+        t = timeit(fn, q, kv, kv, scale, scale, tables, positions, reps=reps)
+        flops = 2 * 2 * N * D * T * T / 2  # causal: half of QK^T and PV
+        print(f"| pallas | {T} | {t * 1e6:.1f} | {flops / t / 1e12:.1f} | {100 * flops / t / PEAK_FLOPS:.1f}% |",
+              flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (runs interpreted on a CPU)")
@@ -110,10 +128,12 @@ def main() -> int:
         matmuls([1, 16], {"small": (256, 256)}, reps=2)
         grouped([16], reps=2, K=256, N=256, G=2)
         attention([2], 64, reps=2)
+        prefill_attention([32], reps=2)
         return 0
     matmuls([1, 64, 256, 4096], SHAPES, reps=20)
     grouped([64, 256, 4096], reps=20)
     attention([8, 32], 4096, reps=20)
+    prefill_attention([1024, 4096], reps=10)
     return 0
 
 

@@ -58,19 +58,40 @@ def test_paged_decode_attention(fp8, N, K):
     assert _rel(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("T, start", [(5, 0), (16, 7), (3, 40)])
+def test_paged_prefill_attention(fp8, T, start):
+    """Causal attention of a chunk of T tokens at positions start.. over its pages (earlier chunks included)."""
+    B, N, K, D, P, page = 2, 10, 2, 64, 12, 16
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.standard_normal((B, T, N, D)), jnp.float32)
+    kp = jnp.asarray(rng.standard_normal((P, page, K, D)), jnp.float32)
+    vp = jnp.asarray(rng.standard_normal((P, page, K, D)), jnp.float32)
+    ks = vs = None
+    if fp8:
+        ks = vs = jnp.asarray(rng.uniform(0.01, 0.02, (P, page, K)), jnp.float32)
+        kp, vp = (kp * 20).astype(jnp.float8_e4m3fn), (vp * 20).astype(jnp.float8_e4m3fn)
+    tables = jnp.asarray([[3, 7, 1, 0], [5, 2, 9, 11]], jnp.int32)
+    positions = jnp.asarray(start + np.arange(T)[None].repeat(B, 0), jnp.int32).at[1, -1].set(-1)  # a padding token
+    out = kernels.paged_attention(q, kp, vp, ks, vs, tables, positions, implementation="pallas")
+    ref = kernels.paged_attention(q, kp, vp, ks, vs, tables, positions, implementation="xla")
+    assert _rel(out[0], ref[0]) < 1e-5 and _rel(out[1, :-1], ref[1, :-1]) < 1e-5
+
+
 def test_every_kernel_lowers_for_cuda():
     from ernie_jax.pallas.block_fp8_matmul import block_fp8_matmul_pallas
     from ernie_jax.pallas.grouped_fp8_matmul import grouped_block_fp8_matmul_pallas
-    from ernie_jax.pallas.paged_attention import paged_decode_attention_pallas
+    from ernie_jax.pallas.paged_attention import paged_attention_pallas
     sds = jax.ShapeDtypeStruct
     f8, bf, f32, i32 = jnp.float8_e4m3fn, jnp.bfloat16, jnp.float32, jnp.int32
     cases = [
         (block_fp8_matmul_pallas, (sds((64, 8192), bf), sds((8192, 10240), f8), sds((64, 80), f32))),
         (grouped_block_fp8_matmul_pallas, (sds((256, 8192), bf), sds((8, 8192, 7168), f8), sds((8, 64, 56), f32),
                                            sds((8,), i32))),
-        (paged_decode_attention_pallas, (sds((32, 64, 128), bf), sds((512, 16, 8, 128), f8), sds((512, 16, 8, 128), f8),
-                                         sds((512, 16, 8), f32), sds((512, 16, 8), f32), sds((32, 64), i32),
-                                         sds((32,), i32))),
+        (paged_attention_pallas, (sds((32, 1, 64, 128), bf), sds((512, 16, 8, 128), f8), sds((512, 16, 8, 128), f8),
+                                  sds((512, 16, 8), f32), sds((512, 16, 8), f32), sds((32, 64), i32), sds((32, 1), i32))),
+        (paged_attention_pallas, (sds((1, 512, 64, 128), bf), sds((512, 16, 8, 128), f8), sds((512, 16, 8, 128), f8),
+                                  sds((512, 16, 8), f32), sds((512, 16, 8), f32), sds((1, 64), i32), sds((1, 512), i32))),
     ]
     for fn, args in cases:
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -98,7 +119,7 @@ def test_model_runs_through_the_kernels(monkeypatch, golden):
     jax.clear_caches()
     ref = decode(model)
     used = set()
-    for name in ("block_fp8_matmul_pallas", "grouped_block_fp8_matmul_pallas", "paged_decode_attention_pallas"):
+    for name in ("block_fp8_matmul_pallas", "grouped_block_fp8_matmul_pallas", "paged_attention_pallas"):
         real = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, _real=real, _name=name, **k: used.add(_name) or _real(*a, **k))
     monkeypatch.setattr(kernels, "use_kernels", lambda plan: plan is None)
@@ -109,5 +130,5 @@ def test_model_runs_through_the_kernels(monkeypatch, golden):
         out = decode(model)
     finally:
         jax.clear_caches()
-    assert used == {"block_fp8_matmul_pallas", "grouped_block_fp8_matmul_pallas", "paged_decode_attention_pallas"}
+    assert used == {"block_fp8_matmul_pallas", "grouped_block_fp8_matmul_pallas", "paged_attention_pallas"}
     assert np.abs(out - ref).max() < 1e-3 * np.abs(ref).max()

@@ -50,11 +50,10 @@ def attention_block(x, w, cfg: ErnieConfig, positions, seg_cache=None, layer=Non
         out = attention(q, k, v, positions, positions)
     else:
         seg_cache = kvc.write(seg_cache, layer, k, v, positions, block_tables, (w.get("k_scale"), w.get("v_scale")))
-        if T == 1 and kernels.use_kernels(plan):  # decode: the paged kernel reads the pages in place
+        if kernels.use_kernels(plan):  # the paged kernel reads the pages in place (prefill chunks and decode)
             scale = (lambda n: seg_cache[n][layer]) if "k_scale" in seg_cache else (lambda n: None)
-            out = kernels.paged_decode_attention(q[:, 0], seg_cache["k"][layer], seg_cache["v"][layer],
-                                                 scale("k_scale"), scale("v_scale"), block_tables,
-                                                 positions[:, 0] + 1).reshape(B, 1, -1)
+            out = kernels.paged_attention(q, seg_cache["k"][layer], seg_cache["v"][layer], scale("k_scale"),
+                                          scale("v_scale"), block_tables, positions).reshape(B, T, -1)
         else:
             ck, cv = kvc.read(seg_cache, layer, block_tables, q.dtype)
             slots = jnp.broadcast_to(jnp.arange(ck.shape[1]), (B, ck.shape[1]))

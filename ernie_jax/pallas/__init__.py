@@ -12,7 +12,7 @@ import jax
 
 from ernie_jax.pallas.block_fp8_matmul import block_fp8_matmul_pallas, block_fp8_matmul_reference
 from ernie_jax.pallas.grouped_fp8_matmul import grouped_block_fp8_matmul_pallas, grouped_block_fp8_matmul_reference
-from ernie_jax.pallas.paged_attention import paged_decode_attention_pallas, paged_decode_attention_reference
+from ernie_jax.pallas.paged_attention import paged_attention_pallas, paged_attention_reference
 
 IMPLEMENTATIONS = ("pallas", "xla")
 
@@ -44,14 +44,23 @@ def grouped_block_fp8_matmul(x, w_q, w_scale, group_sizes, implementation: str |
     return grouped_block_fp8_matmul_pallas(x, w_q, w_scale, group_sizes, interpret=jax.default_backend() != "gpu")
 
 
+def paged_attention(q, k_pages, v_pages, k_scale, v_scale, block_tables, positions,
+                    implementation: str | None = None):
+    """Causal attention of q [B, T, N, D] at positions [B, T] over each sequence's paged KV cache (bf16, or
+    fp8 with scales) -> [B, T, N, D]: chunked prefill, and decode with T = 1."""
+    if resolve(implementation) == "xla":
+        return paged_attention_reference(q, k_pages, v_pages, k_scale, v_scale, block_tables, positions)
+    return paged_attention_pallas(q, k_pages, v_pages, k_scale, v_scale, block_tables, positions,
+                                  interpret=jax.default_backend() != "gpu")
+
+
 def paged_decode_attention(q, k_pages, v_pages, k_scale, v_scale, block_tables, lengths,
                            implementation: str | None = None):
-    """One query token per sequence over its paged KV cache (bf16, or fp8 with scales) -> [B, N, D]."""
-    if resolve(implementation) == "xla":
-        return paged_decode_attention_reference(q, k_pages, v_pages, k_scale, v_scale, block_tables, lengths)
-    return paged_decode_attention_pallas(q, k_pages, v_pages, k_scale, v_scale, block_tables, lengths,
-                                         interpret=jax.default_backend() != "gpu")
+    """Decode: one query token per sequence (q [B, N, D]) whose cache holds `lengths` [B] tokens -> [B, N, D]."""
+    out = paged_attention(q[:, None], k_pages, v_pages, k_scale, v_scale, block_tables, (lengths - 1)[:, None],
+                          implementation)
+    return out[:, 0]
 
 
-__all__ = ["IMPLEMENTATIONS", "block_fp8_matmul", "grouped_block_fp8_matmul", "paged_decode_attention", "resolve",
-           "use_kernels"]
+__all__ = ["IMPLEMENTATIONS", "block_fp8_matmul", "grouped_block_fp8_matmul", "paged_attention",
+           "paged_decode_attention", "resolve", "use_kernels"]
