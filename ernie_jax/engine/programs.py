@@ -109,19 +109,20 @@ class ModelPrograms:
 
 class PageTransfer:
     """Moves a request's KV pages from one pool to another: gather on the source mesh, one device_put,
-    scatter into the destination pool (donated). Page counts are bucketed and compiled ahead of time."""
+    scatter into the destination pool (donated). Page counts are bucketed to powers of two, so a few
+    compiled shapes serve every prompt length; each move is timed (it waits for the scatter)."""
 
     def __init__(self, src: ModelPrograms, dst: ModelPrograms):
         self.src, self.dst = src, dst
         self.buckets = buckets(src.max_pages)
-        page_shardings = dst.cache_shardings  # a page batch is laid out like the pool it came from
+        self.page_shardings = dst.cache_shardings  # a page batch is laid out like the pool it goes to
         self._gather = jax.jit(lambda cache, ids: jax.tree.map(lambda a: a[:, ids], cache),
                                in_shardings=(src.cache_shardings, src.replicated),
                                out_shardings=src.cache_shardings)
         self._scatter = jax.jit(lambda cache, pages, ids: jax.tree.map(lambda a, p: a.at[:, ids].set(p), cache, pages),
-                                donate_argnums=(0,), in_shardings=(dst.cache_shardings, page_shardings, dst.replicated),
+                                donate_argnums=(0,), in_shardings=(dst.cache_shardings, self.page_shardings,
+                                                                   dst.replicated),
                                 out_shardings=dst.cache_shardings)
-        self.page_shardings = page_shardings
         self.seconds, self.bytes = 0.0, 0
         self.last: tuple[list[int], list[int]] | None = None  # (source, destination) pages of the last move
 
