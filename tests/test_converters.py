@@ -43,6 +43,10 @@ def test_paddle_to_jax_round_trip(golden, tmp_path, name):
     assert np.abs(np.asarray(model(g["input_ids"])) - g["logits"]).max() < 1e-4
     if "mtp_logits" in g:
         assert np.abs(np.asarray(model.mtp_logits(g["input_ids"])) - g["mtp_logits"]).max() < 1e-4
+    if name == "shared_untied":  # and straight onto a device mesh
+        sharded = load_pretrained(dst, dtype=jnp.float32, mesh="data=1,expert=8,tensor=1")
+        assert len(sharded.device_bytes()) == 8
+        assert np.abs(np.asarray(sharded(g["input_ids"])) - g["logits"]).max() < 1e-4
     out = LLM(str(dst), dtype="float32", max_model_len=32, max_num_seqs=2).generate(
         prompt_token_ids=g["greedy_prompt"].tolist(),
         sampling_params=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
