@@ -129,6 +129,17 @@ class LLM:
                 raise RequestError(f"prompt of type {type(p).__name__}: expected str or {{'prompt_token_ids': [...]}}")
         return out
 
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} messages) or a list of them, rendered with ERNIE's
+        chat template (tokenizer.Tokenizer.apply_chat_template)."""
+        if self.tokenizer is None:
+            raise RequestError("chat needs a tokenizer (tokenizer.model in the model folder)")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt": self.tokenizer.apply_chat_template(c, add_generation_prompt),
+                    "prompt_token_ids": self.tokenizer.encode_chat(c, add_generation_prompt)} for c in conversations]
+        return self.generate(prompts, sampling_params)
+
     def generate(self, prompts: str | Sequence | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  prompt_token_ids: Sequence[Sequence[int]] | None = None, use_tqdm: bool = False

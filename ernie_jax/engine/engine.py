@@ -24,6 +24,7 @@ from ernie_jax.engine.pages import PageAllocator
 from ernie_jax.engine.programs import ModelPrograms, PageTransfer, buckets
 from ernie_jax.model.ernie import ErnieForCausalLM
 from ernie_jax.sampling import SamplingParams
+from ernie_jax.tokenizer import IncrementalDetokenizer
 
 
 class RequestError(ValueError):
@@ -61,6 +62,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text: str | None = None  # with a tokenizer: the detokenized output (cut before a stop string)
+    detokenizer: Any = None  # IncrementalDetokenizer when the engine has a tokenizer
 
     @property
     def finished(self) -> bool:
@@ -144,6 +146,8 @@ class Engine:
             raise RequestError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**31))
         req = Request(request_id, prompt_ids, params, seed, RequestMetrics(time.perf_counter()))
+        if self.tokenizer is not None:
+            req.text, req.detokenizer = "", IncrementalDetokenizer(self.tokenizer)
         self.requests[request_id] = req
         self.waiting.append(req)
         return request_id
@@ -161,6 +165,8 @@ class Engine:
         return min(want, self.max_model_len)
 
     def _finish(self, req: Request, reason: str, stop_reason) -> None:
+        if req.detokenizer is not None and not isinstance(stop_reason, str):
+            req.text = self.tokenizer.decode(req.output_ids)  # includes any bytes the stream held back
         req.finish_reason, req.stop_reason = reason, stop_reason
         req.metrics.finished_time = time.perf_counter()
         for queue in (self.waiting, self.prefilling, self.running):
@@ -229,8 +235,8 @@ class Engine:
             n = req.params.logprobs
             req.logprobs.append({"token": token, "logprob": float(logprob),
                                  "top": list(zip(map(int, top_ids[:n]), map(float, top_lps[:n])))})
-        if self.tokenizer is not None:
-            req.text = self.tokenizer.decode(req.output_ids)
+        if req.detokenizer is not None:
+            req.text += req.detokenizer.add(token)
         n_out = len(req.output_ids)
         if token in self._stop_ids(req) and n_out >= req.params.min_tokens:
             return self._finish(req, "stop", token)
