@@ -132,3 +132,31 @@ def test_model_runs_through_the_kernels(monkeypatch, golden):
         jax.clear_caches()
     assert used == {"block_fp8_matmul_pallas", "grouped_block_fp8_matmul_pallas", "paged_attention_pallas"}
     assert np.abs(out - ref).max() < 1e-3 * np.abs(ref).max()
+
+
+def test_sharded_programs_use_kernels_only_where_unpartitioned(monkeypatch, golden):
+    """Under a mesh, GSPMD-partitioned linears and attention keep the XLA paths; the expert matmul inside
+    the expert-parallel shard_map (per-device arrays) takes the kernel."""
+    from ernie_jax import load_pretrained
+    from ernie_jax.model import layers
+    from tests.conftest import GOLDEN
+    g = golden("shared_untied")
+    model = load_pretrained(GOLDEN / "shared_untied" / "paddle", dtype=jnp.float32, quantization="fp8",
+                            mesh="data=1,expert=8,tensor=1")
+    ids = g["input_ids"][:, :5]
+    jax.clear_caches()
+    ref = np.asarray(model(ids))
+    used = set()
+    for name in ("block_fp8_matmul_pallas", "grouped_block_fp8_matmul_pallas", "paged_attention_pallas"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _real=real, _name=name, **k: used.add(_name) or _real(*a, **k))
+    monkeypatch.setattr(kernels, "use_kernels", lambda plan: plan is None)
+    monkeypatch.setattr(kernels, "resolve", lambda impl: impl or "pallas")
+    monkeypatch.setattr(layers, "EXPERT_IMPL", "ragged")
+    jax.clear_caches()
+    try:
+        out = np.asarray(model(ids))
+    finally:
+        jax.clear_caches()
+    assert used == {"grouped_block_fp8_matmul_pallas"}
+    assert np.abs(out - ref).max() < 1e-3 * np.abs(ref).max()

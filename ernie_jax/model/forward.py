@@ -38,7 +38,7 @@ def _constrain(x, plan, logical):
 def attention_block(x, w, cfg: ErnieConfig, positions, seg_cache=None, layer=None, block_tables=None, plan=None):
     """x [B,T,H] -> ([B,T,H], the segment's cache with this layer's new slots written, or None)."""
     B, T, _ = x.shape
-    qkv = linear(x, w["qkv"])
+    qkv = linear(x, w["qkv"], plan)
     q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
     q = rope(q.reshape(B, T, cfg.num_attention_heads, cfg.head_dim), positions, cfg.rope_theta,
              cfg.compression_ratio)
@@ -58,7 +58,7 @@ def attention_block(x, w, cfg: ErnieConfig, positions, seg_cache=None, layer=Non
             ck, cv = kvc.read(seg_cache, layer, block_tables, q.dtype)
             slots = jnp.broadcast_to(jnp.arange(ck.shape[1]), (B, ck.shape[1]))
             out = attention(q, ck, cv, positions, slots)
-    return linear(out, w["o"]), seg_cache
+    return linear(out, w["o"], plan), seg_cache
 
 
 def decoder_layer(h, w, kind: str, cfg: ErnieConfig, positions, seg_cache=None, layer=None, block_tables=None,
@@ -69,7 +69,7 @@ def decoder_layer(h, w, kind: str, cfg: ErnieConfig, positions, seg_cache=None, 
     h = h + a
     x = rms_norm(h, w["post_norm"], cfg.rms_norm_eps)
     if kind == "dense":
-        y, ids = swiglu(x, w["up_gate"], w["down"]), None
+        y, ids = swiglu(x, w["up_gate"], w["down"], plan), None
     elif plan is None:
         y, ids = moe(x, w, cfg)
     else:

@@ -21,10 +21,12 @@ from ernie_jax.quant import BlockFP8, fp8_linear, fp8_ragged_dot
 _NEG_INF = -1e30
 
 
-def linear(x: jax.Array, w) -> jax.Array:
-    """y = x @ w with w in the Paddle [in, out] orientation; the one place matmul numerics are chosen."""
+def linear(x: jax.Array, w, plan=None) -> jax.Array:
+    """y = x @ w with w in the Paddle [in, out] orientation; the one place matmul numerics are chosen.
+    `plan`: the ShardingPlan when x and w are GSPMD-sharded (kernels are then not used: a pallas_call is
+    not partitioned); None for unsharded code and inside shard_map."""
     if isinstance(w, BlockFP8):
-        if w.compute == "w8a8" and w.values.ndim == 2 and kernels.use_kernels(None):
+        if w.compute == "w8a8" and w.values.ndim == 2 and kernels.use_kernels(plan):
             y = kernels.block_fp8_matmul(x.reshape(-1, x.shape[-1]), w.values, w.scales)
             return y.reshape(*x.shape[:-1], y.shape[-1])
         return fp8_linear(x, w)
@@ -66,11 +68,11 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos:
     return o.reshape(B, T, N * D).astype(q.dtype)
 
 
-def swiglu(x: jax.Array, up_gate: jax.Array, down: jax.Array) -> jax.Array:
+def swiglu(x: jax.Array, up_gate: jax.Array, down: jax.Array, plan=None) -> jax.Array:
     """Paddle's fused `up_gate_proj` holds [gate | up] despite its name."""
-    u = linear(x, up_gate)
+    u = linear(x, up_gate, plan)
     gate, up = jnp.split(u, 2, axis=-1)
-    return linear(jax.nn.silu(gate) * up, down)
+    return linear(jax.nn.silu(gate) * up, down, plan)
 
 
 def route(x: jax.Array, router: jax.Array, bias: jax.Array, cfg: ErnieConfig) -> tuple[jax.Array, jax.Array]:
@@ -178,6 +180,6 @@ def moe(x: jax.Array, w: dict, cfg: ErnieConfig) -> tuple[jax.Array, jax.Array]:
     return (y + shared_experts(x2, w)).reshape(x.shape), ids
 
 
-def shared_experts(x: jax.Array, w: dict) -> jax.Array | int:
+def shared_experts(x: jax.Array, w: dict, plan=None) -> jax.Array | int:
     """Shared experts see every token and are added unweighted (0 when the model has none)."""
-    return swiglu(x, w["shared_up_gate"], w["shared_down"]) if "shared_up_gate" in w else 0
+    return swiglu(x, w["shared_up_gate"], w["shared_down"], plan) if "shared_up_gate" in w else 0

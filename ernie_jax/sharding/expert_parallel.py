@@ -68,4 +68,6 @@ def moe_ep(x: jax.Array, w: dict, cfg: ErnieConfig, plan: ShardingPlan) -> tuple
                                                                                P(bspec, None, None)),
                            check_vma=False)(x, w["router"], w["router_bias"], w["experts_up_gate"], w["experts_down"])
     x2 = x.reshape(-1, x.shape[-1])
-    return y + shared_experts(x2, w).reshape(y.shape) if "shared_up_gate" in w else y, ids.reshape(-1, ids.shape[-1])
+    if "shared_up_gate" in w:  # outside the shard_map: sharded by the rules like any dense FFN
+        y = y + shared_experts(x2, w, plan).reshape(y.shape)
+    return y, ids.reshape(-1, ids.shape[-1])
