@@ -134,18 +134,27 @@ def test_model_runs_through_the_kernels(monkeypatch, golden):
     assert np.abs(out - ref).max() < 1e-3 * np.abs(ref).max()
 
 
-def test_sharded_programs_use_kernels_only_where_unpartitioned(monkeypatch, golden):
-    """Under a mesh, GSPMD-partitioned linears and attention keep the XLA paths; the expert matmul inside
-    the expert-parallel shard_map (per-device arrays) takes the kernel."""
+@pytest.mark.parametrize("mesh, kernels_used", [
+    ("data=1,expert=8,tensor=1", {"grouped_block_fp8_matmul_pallas", "paged_attention_pallas"}),
+    ("data=1,expert=4,tensor=2", {"grouped_block_fp8_matmul_pallas", "paged_attention_pallas"}),
+    ("data=2,expert=2,tensor=2", {"grouped_block_fp8_matmul_pallas"}),  # pages split by data: XLA attention
+])
+def test_sharded_programs_use_kernels_only_where_unpartitioned(monkeypatch, golden, mesh, kernels_used):
+    """Under a mesh, GSPMD-partitioned linears keep the XLA paths; the expert matmul inside the
+    expert-parallel shard_map and attention per device over its KV heads take the kernels."""
     from ernie_jax import load_pretrained
     from ernie_jax.model import layers
     from tests.conftest import GOLDEN
     g = golden("shared_untied")
-    model = load_pretrained(GOLDEN / "shared_untied" / "paddle", dtype=jnp.float32, quantization="fp8",
-                            mesh="data=1,expert=8,tensor=1")
+    model = load_pretrained(GOLDEN / "shared_untied" / "paddle", dtype=jnp.float32, quantization="fp8", mesh=mesh)
     ids = g["input_ids"][:, :5]
+
+    def decode(m):
+        out = m.forward(ids[:, :4], np.broadcast_to(np.arange(4), (2, 4)), m.init_cache(2, 16))
+        out = m.forward(ids[:, 4:5], np.full((2, 1), 4), out.cache)
+        return np.asarray(out.logits)
     jax.clear_caches()
-    ref = np.asarray(model(ids))
+    ref = decode(model)
     used = set()
     for name in ("block_fp8_matmul_pallas", "grouped_block_fp8_matmul_pallas", "paged_attention_pallas"):
         real = getattr(kernels, name)
@@ -155,8 +164,8 @@ def test_sharded_programs_use_kernels_only_where_unpartitioned(monkeypatch, gold
     monkeypatch.setattr(layers, "EXPERT_IMPL", "ragged")
     jax.clear_caches()
     try:
-        out = np.asarray(model(ids))
+        out = decode(model)
     finally:
         jax.clear_caches()
-    assert used == {"grouped_block_fp8_matmul_pallas"}
+    assert used == kernels_used
     assert np.abs(out - ref).max() < 1e-3 * np.abs(ref).max()

@@ -18,6 +18,7 @@ from ernie_jax import pallas as kernels
 from ernie_jax.config import ErnieConfig
 from ernie_jax.model import kv_cache as kvc
 from ernie_jax.model.layers import attention, linear, moe, rms_norm, rope, swiglu
+from ernie_jax.sharding.attention import paged_attention_sharded
 from ernie_jax.sharding.expert_parallel import moe_ep
 from ernie_jax.sharding.rules import HIDDEN, KV_HEADS, Q_HEADS, ShardingPlan
 
@@ -50,10 +51,17 @@ def attention_block(x, w, cfg: ErnieConfig, positions, seg_cache=None, layer=Non
         out = attention(q, k, v, positions, positions)
     else:
         seg_cache = kvc.write(seg_cache, layer, k, v, positions, block_tables, (w.get("k_scale"), w.get("v_scale")))
-        if kernels.use_kernels(plan):  # the paged kernel reads the pages in place (prefill chunks and decode)
-            scale = (lambda n: seg_cache[n][layer]) if "k_scale" in seg_cache else (lambda n: None)
-            out = kernels.paged_attention(q, seg_cache["k"][layer], seg_cache["v"][layer], scale("k_scale"),
-                                          scale("v_scale"), block_tables, positions).reshape(B, T, -1)
+        # The paged kernel reads the pages in place (prefill chunks and decode); per device under a mesh.
+        scale = (lambda n: seg_cache[n][layer]) if "k_scale" in seg_cache else (lambda n: None)
+        args = (q, seg_cache["k"][layer], seg_cache["v"][layer], scale("k_scale"), scale("v_scale"), block_tables,
+                positions)
+        out = None
+        if plan is not None:
+            out = paged_attention_sharded(*args, plan)
+        elif kernels.use_kernels(None):
+            out = kernels.paged_attention(*args)
+        if out is not None:
+            out = out.reshape(B, T, -1)
         else:
             ck, cv = kvc.read(seg_cache, layer, block_tables, q.dtype)
             slots = jnp.broadcast_to(jnp.arange(ck.shape[1]), (B, ck.shape[1]))
