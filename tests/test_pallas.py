@@ -98,11 +98,28 @@ def test_every_kernel_lowers_for_cuda():
         assert "triton" in text.lower() or "pallas" in text.lower() or "custom_call" in text
 
 
+def run_with_kernels(monkeypatch, fn, *args):
+    """fn(*args) with the model's dispatch forced onto the (interpreted) kernels, as on a GPU; returns
+    (result, names of the kernels that were traced)."""
+    from ernie_jax.model import layers
+    used = set()
+    for name in ("block_fp8_matmul_pallas", "grouped_block_fp8_matmul_pallas", "paged_attention_pallas"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _real=real, _name=name, **k: used.add(_name) or _real(*a, **k))
+    monkeypatch.setattr(kernels, "use_kernels", lambda plan: plan is None)
+    monkeypatch.setattr(kernels, "resolve", lambda impl: impl or "pallas")
+    monkeypatch.setattr(layers, "EXPERT_IMPL", "ragged")
+    jax.clear_caches()
+    try:
+        return fn(*args), used
+    finally:
+        jax.clear_caches()
+
+
 def test_model_runs_through_the_kernels(monkeypatch, golden):
     """The model's dispatch: the FP8 linears, the grouped expert matmul and decode attention all go through
     the kernels (interpreted here) and agree with the XLA paths."""
     from ernie_jax import load_pretrained
-    from ernie_jax.model import layers
     from tests.conftest import GOLDEN
     g = golden("shared_untied")
     model = load_pretrained(GOLDEN / "shared_untied" / "paddle", dtype=jnp.float32, quantization="fp8")
@@ -118,18 +135,7 @@ def test_model_runs_through_the_kernels(monkeypatch, golden):
         return np.concatenate(logits, axis=1)
     jax.clear_caches()
     ref = decode(model)
-    used = set()
-    for name in ("block_fp8_matmul_pallas", "grouped_block_fp8_matmul_pallas", "paged_attention_pallas"):
-        real = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _real=real, _name=name, **k: used.add(_name) or _real(*a, **k))
-    monkeypatch.setattr(kernels, "use_kernels", lambda plan: plan is None)
-    monkeypatch.setattr(kernels, "resolve", lambda impl: impl or "pallas")
-    monkeypatch.setattr(layers, "EXPERT_IMPL", "ragged")
-    jax.clear_caches()
-    try:
-        out = decode(model)
-    finally:
-        jax.clear_caches()
+    out, used = run_with_kernels(monkeypatch, decode, model)
     assert used == {"block_fp8_matmul_pallas", "grouped_block_fp8_matmul_pallas", "paged_attention_pallas"}
     assert np.abs(out - ref).max() < 1e-3 * np.abs(ref).max()
 
@@ -143,7 +149,6 @@ def test_sharded_programs_use_kernels_only_where_unpartitioned(monkeypatch, gold
     """Under a mesh, GSPMD-partitioned linears keep the XLA paths; the expert matmul inside the
     expert-parallel shard_map and attention per device over its KV heads take the kernels."""
     from ernie_jax import load_pretrained
-    from ernie_jax.model import layers
     from tests.conftest import GOLDEN
     g = golden("shared_untied")
     model = load_pretrained(GOLDEN / "shared_untied" / "paddle", dtype=jnp.float32, quantization="fp8", mesh=mesh)
@@ -155,17 +160,6 @@ def test_sharded_programs_use_kernels_only_where_unpartitioned(monkeypatch, gold
         return np.asarray(out.logits)
     jax.clear_caches()
     ref = decode(model)
-    used = set()
-    for name in ("block_fp8_matmul_pallas", "grouped_block_fp8_matmul_pallas", "paged_attention_pallas"):
-        real = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _real=real, _name=name, **k: used.add(_name) or _real(*a, **k))
-    monkeypatch.setattr(kernels, "use_kernels", lambda plan: plan is None)
-    monkeypatch.setattr(kernels, "resolve", lambda impl: impl or "pallas")
-    monkeypatch.setattr(layers, "EXPERT_IMPL", "ragged")
-    jax.clear_caches()
-    try:
-        out = decode(model)
-    finally:
-        jax.clear_caches()
+    out, used = run_with_kernels(monkeypatch, decode, model)
     assert used == kernels_used
     assert np.abs(out - ref).max() < 1e-3 * np.abs(ref).max()
