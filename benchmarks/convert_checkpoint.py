@@ -137,8 +137,8 @@ def main() -> int:
         ("quantize_fp8", [py, "-m", "converters.quantize_fp8", "--src", src, "--dst",
                           os.path.join(args.workdir, "fp8-paddle")]),
     ]
-    print(f"| converter | wall s | read GB/s | peak RSS MB | RSS / bound |")
-    print(f"|---|---|---|---|---|")
+    print("| converter | wall s | read GB/s | peak RSS MB | RSS / bound |")
+    print("|---|---|---|---|---|")
     for name, cmd in runs:
         wall, rss, _ = timed(cmd)
         print(f"| {name} | {wall:.1f} | {total / wall / 1e9:.3f} | {rss / 1e6:.0f} | {rss / bound:.2f} |")

@@ -27,6 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from converters.progress import Progress
+from converters.quantize_fp8 import QUANT_CONFIG
 from ernie_jax.checkpoint.orbax_io import OrbaxWriter, write_marker
 from ernie_jax.checkpoint.plan import CheckpointPlan
 from ernie_jax.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint
@@ -34,7 +35,6 @@ from ernie_jax.config import ConfigError, ErnieConfig
 from ernie_jax.model.weights import QUANTIZABLE
 from ernie_jax.quant import BlockFP8, dequantize, quantize_block_fp8
 
-QUANT_CONFIG = {"dense_quant_type": "block_wise_fp8", "moe_quant_type": "block_wise_fp8", "quantization": "mix_quant"}
 _ITEMSIZE = {"float": 2, "fp8": 1, "scale": 4}
 
 

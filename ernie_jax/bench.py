@@ -75,8 +75,8 @@ def offline(args) -> int:
     print(f"model {args.model}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.moe_num_experts} "
           f"experts top-{cfg.moe_k}, vocab {cfg.vocab_size}; {args.dtype}; engine start-up {startup:.1f}s")
     print("compile report: " + ", ".join(f"{name} {b}: {s:.2f}s" for name, b, s in llm.engine.compile_report))
-    print(f"| stack | requests | output tokens | wall s | output tok/s | TTFT | TPOT |")
-    print(f"|---|---|---|---|---|---|---|")
+    print("| stack | requests | output tokens | wall s | output tok/s | TTFT | TPOT |")
+    print("|---|---|---|---|---|---|---|")
     print(f"| ernie_jax | {len(outs)} | {n_out} | {wall:.2f} | {n_out / wall:.1f} | "
           f"{_percentiles([o.metrics['ttft'] for o in outs])} | {_percentiles([o.metrics['tpot'] for o in outs])} |")
     if hf is not None:

@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{args.model} ({args.quantization or 'bf16'} weights, {args.kv_cache_dtype} KV), "
           f"{'disaggregated' if disagg else 'colocated'} on {n} devices")
-    print(f"| program | devices | weights GB | KV GB | weights+KV GB | temp GB (XLA:CPU) | compile s | H200 | H100 |")
+    print("| program | devices | weights GB | KV GB | weights+KV GB | temp GB (XLA:CPU) | compile s | H200 | H100 |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name in ("prefill", "decode"):
         r = report[name]

@@ -128,7 +128,7 @@ def fp8_ragged_dot(x: jax.Array, w: BlockFP8, group_sizes: jax.Array, compute: s
     compute = compute or w.compute
     if compute == "weight_only":
         return lax.ragged_dot(x, dequantize(w, x.dtype), group_sizes, preferred_element_type=jnp.float32)
-    M, (G, K, N), B = x.shape[0], w.shape, w.block
+    M, (G, _K, N), B = x.shape[0], w.shape, w.block
     xq, xs = quantize_activations(x, B)
     KB = xs.shape[1]
     wv = _padded_k(w.values, B).reshape(G, KB, B, N)

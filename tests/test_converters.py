@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from converters import paddle_to_jax, quantize_fp8
-from ernie_jax import LLM, CheckpointError, ErnieConfig, SamplingParams, load_pretrained
+from ernie_jax import LLM, CheckpointError, SamplingParams, load_pretrained
 from tests import fp8_reference as ref
 from tests.conftest import GOLDEN, GOLDEN_MODELS
 

@@ -3,7 +3,6 @@
 import functools
 import shutil
 
-import numpy as np
 import pytest
 import sentencepiece as spm
 

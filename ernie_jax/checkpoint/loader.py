@@ -24,12 +24,17 @@ from ernie_jax.model.weights import F32_LEAVES, quantize_weights
 from ernie_jax.quant import COMPUTE_MODES, BlockFP8
 
 
+def _host_dtype(dtype) -> np.dtype:
+    """numpy's name for a JAX dtype (ml_dtypes' bfloat16 for bf16)."""
+    return np.dtype(ml_dtypes.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else np.dtype(jnp.dtype(dtype).name)
+
+
 def read_weights(path: str, cfg: ErnieConfig, dtype=jnp.bfloat16) -> tuple[dict[str, Any], ErnieConfig]:
     """Host (numpy) weights pytree of a safetensors checkpoint, and its config (MTP switched on or off by
     what the files carry). Everything is validated from the headers before any data is read."""
     plan = CheckpointPlan(path, cfg)
     plan.validate()
-    np_dtype = np.dtype(ml_dtypes.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else np.dtype(jnp.dtype(dtype).name)
+    np_dtype = _host_dtype(dtype)
     flat = {task.path: plan.read(task, np_dtype) for task in plan.tasks}
     return assemble(flat, plan.cfg), plan.cfg
 
@@ -83,7 +88,7 @@ def load_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *, quantization
     path = os.fspath(path)
     cfg = ErnieConfig.from_pretrained(path)
     if is_orbax_checkpoint(path):
-        np_dtype = np.dtype(ml_dtypes.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else np.dtype(jnp.dtype(dtype).name)
+        np_dtype = _host_dtype(dtype)
         keep = lambda p, v: isinstance(v, BlockFP8) or p[-1] in F32_LEAVES  # noqa: E731
         flat = {p: v if keep(p, v) else v.astype(np_dtype) for p, v in read_flat(path).items()}
         weights = assemble(flat, cfg)

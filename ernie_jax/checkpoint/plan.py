@@ -16,7 +16,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ernie_jax.checkpoint.layouts import DIM_MEANING, Cat, Layout, OneOf, Recipe, Src, detect_layout, dims
+from ernie_jax.checkpoint.layouts import DIM_MEANING, Layout, OneOf, Recipe, Src, detect_layout, dims
 from ernie_jax.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint
 from ernie_jax.config import ErnieConfig
 from ernie_jax.model.weights import F32_LEAVES, QUANTIZABLE, layer_shapes
