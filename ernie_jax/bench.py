@@ -1,4 +1,6 @@
-"""Benchmarks: `python -m ernie_jax.bench offline ...` (the offline engine, optionally against HF).
+"""Benchmarks: `python -m ernie_jax.bench offline ...` (the offline engine, optionally against HF) and
+`python -m ernie_jax.bench serve ...` (a running OpenAI-compatible server, like `vllm bench serve`; see
+ernie_jax/serve_bench.py and `serve --help`).
 
     python -m ernie_jax.bench offline --model bench-512 --num-prompts 16 --input-len 128 --output-len 128 \\
         [--compare-hf] [--mesh 8 --prefill-devices 4] [--dtype float32]
@@ -83,8 +85,8 @@ def offline(args) -> int:
         import torch
         torch.set_num_threads(os.cpu_count() or 1)
         ids = torch.tensor(prompts)
-        kw = dict(do_sample=False, max_new_tokens=args.output_len, min_new_tokens=args.output_len, eos_token_id=None,
-                  pad_token_id=0)
+        kw = {"do_sample": False, "max_new_tokens": args.output_len, "min_new_tokens": args.output_len,
+              "eos_token_id": None, "pad_token_id": 0}
         with torch.no_grad():
             hf.generate(ids[:1], max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)  # warm
             t0 = time.perf_counter()
@@ -100,6 +102,11 @@ def offline(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:
+        # The HTTP client owns its own arguments and must not pull in the engine.
+        from ernie_jax import serve_bench
+        return serve_bench.main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m ernie_jax.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -115,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     off.add_argument("--prefill-devices", type=int, default=None)
     off.add_argument("--no-disaggregate", action="store_true")
     off.add_argument("--compare-hf", action="store_true", help="also time HF transformers generate (needs torch)")
+    sub.add_parser("serve", add_help=False, help="a running OpenAI-compatible server under load (`serve --help`)")
     args = ap.parse_args(argv)
     if args.mesh:
         n = 1

@@ -19,7 +19,7 @@ from flax import nnx
 
 from ernie_jax.config import PRESETS, ErnieConfig
 from ernie_jax.engine.engine import Engine, RequestError
-from ernie_jax.engine.outputs import CompletionOutput, RequestOutput, completion
+from ernie_jax.engine.outputs import CompletionOutput, RequestOutput, completion, request_output
 from ernie_jax.model import ErnieForCausalLM
 from ernie_jax.sampling import SamplingParams
 from ernie_jax.tokenizer import Tokenizer
@@ -40,6 +40,7 @@ class LLM:
     the first `prefill_devices` (default half) and decode on the others, each with its own weight copy.
     max_num_seqs: the decode batch limit; max_model_len: prompt + output limit (default min(model's, 2048)).
     compilation_cache_dir: JAX's persistent compilation cache (None: off; an already configured one wins).
+    batch_invariant: decode at one batch shape, so a request's tokens never depend on its batch (Engine).
     """
 
     def __init__(self, model: str | ErnieForCausalLM, *, dtype: str = "bfloat16", seed: int = 0,
@@ -47,7 +48,7 @@ class LLM:
                  fp8_compute: str = "w8a8", kv_cache_dtype: str = "auto", mesh: int | str | None = None,
                  prefill_devices: int | None = None, disaggregate: bool = True, sharding: str = "tp_ep",
                  page_size: int = 16, num_pages: int | None = None, prefill_chunk: int = 512,
-                 compilation_cache_dir: str | None = "~/.cache/ernie_jax/xla"):
+                 compilation_cache_dir: str | None = "~/.cache/ernie_jax/xla", batch_invariant: bool = False):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
         jdtype = _DTYPES[dtype]
@@ -82,7 +83,7 @@ class LLM:
         self.engine = Engine(decode_model, prefill_model=prefill_model, max_num_seqs=max_num_seqs,
                              max_model_len=self.max_model_len, page_size=page_size, num_pages=num_pages,
                              prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype, eos_token_ids=frozenset(eos),
-                             tokenizer=self.tokenizer, seed=seed)
+                             tokenizer=self.tokenizer, seed=seed, batch_invariant=batch_invariant)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -166,9 +167,6 @@ class LLM:
             self.engine.step()
         outputs = []
         for (text, ids), group in zip(reqs, groups):
-            first = group[0]
-            metrics = {"queue_time": first.metrics.queue_time, "ttft": first.metrics.ttft, "tpot": first.tpot}
-            outputs.append(RequestOutput(first.request_id, text, ids, [completion(r, j) for j, r in enumerate(group)],
-                                         True, metrics))
+            outputs.append(request_output(group[0], text, [completion(r, j) for j, r in enumerate(group)], True))
         return outputs
 

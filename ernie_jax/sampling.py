@@ -41,6 +41,8 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return with each token's logprob
+    prompt_logprobs: int | None = None  # the same for each prompt token (the first has none)
+    logit_bias: dict[int, float] | None = None  # token id -> value added to its logit (OpenAI's logit_bias)
 
     def __post_init__(self):
         def bad(name, why):
@@ -70,6 +72,16 @@ class SamplingParams:
             bad("seed", "must be an integer")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or
+                                                 not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.logit_bias is not None:
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (AttributeError, TypeError, ValueError):
+                bad("logit_bias", "must map token ids to numbers")
+            if any(not -100 <= v <= 100 for v in self.logit_bias.values()):
+                bad("logit_bias", "values must be in [-100, 100]")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
@@ -77,7 +89,8 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
 
 def _row_key(seed, step):

@@ -81,6 +81,13 @@ class Tokenizer:
             i in self._skip or self.sp.is_control(i) or self.sp.is_unknown(i)))]
         return self.sp.decode(keep)
 
+    def token_text(self, token_id: int) -> str:
+        """One token as logprobs show it: its piece with SentencePiece's word marker as a space (a byte
+        piece stays "<0xNN>", since alone it is not text)."""
+        if not 0 <= token_id < self.vocab_size:
+            return f"<id:{token_id}>"  # an embedding row past the tokenizer's pieces
+        return self.sp.id_to_piece(token_id).replace("\u2581", " ")
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """ERNIE's chat template; message content is a string or a list of {"type": "text", "text": ...}."""
         out = [BOS_CHAT]

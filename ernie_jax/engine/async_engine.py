@@ -10,17 +10,26 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import logging
 import threading
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from ernie_jax.engine.engine import Engine, Request
-from ernie_jax.engine.outputs import RequestOutput, completion
+from ernie_jax.engine.outputs import RequestOutput, completion, request_output
 from ernie_jax.sampling import SamplingParams
+
+log = logging.getLogger("ernie_jax.engine")
+
+
+class EngineError(RuntimeError):
+    """The engine raised while stepping; the requests in flight get this error, the engine keeps serving."""
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, on_finish: Callable[[Request], None] | None = None):
+        """on_finish: called (on the stepping thread) with each request that finishes, for metrics."""
         self.engine = engine
+        self.on_finish = on_finish
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
@@ -44,14 +53,18 @@ class AsyncEngine:
         try:
             while True:
                 finished = await stream.get()
-                m = req.metrics
-                yield RequestOutput(req.request_id, prompt, req.prompt_ids, [completion(req)], finished,
-                                    {"queue_time": m.queue_time, "ttft": m.ttft, "tpot": req.tpot})
+                if isinstance(finished, BaseException):
+                    raise EngineError(f"the engine failed while serving {req.request_id}: {finished!r}") from finished
+                yield request_output(req, prompt, [completion(req)], finished)
                 if finished:
                     return
         finally:
             if not req.finished:  # the consumer went away (client disconnect): free the pages
                 self.abort(req.request_id)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -62,11 +75,13 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout=10)
 
-    def _notify(self, req: Request) -> None:
+    def _notify(self, req: Request, error: BaseException | None = None) -> None:
+        if req.finished and self.on_finish is not None:
+            self.on_finish(req)
         target = self._streams.get(req.request_id)
         if target is not None:
             loop, stream = target
-            loop.call_soon_threadsafe(stream.put_nowait, req.finished)
+            loop.call_soon_threadsafe(stream.put_nowait, error or req.finished)
             if req.finished:
                 self._streams.pop(req.request_id, None)
 
@@ -78,9 +93,16 @@ class AsyncEngine:
                 if kind == "abort" and req is not None:
                     self.engine.abort(request_id)
                     self._notify(req)
-            with self._lock:
-                busy = self.engine.has_unfinished()
-                touched = self.engine.step() if busy else []
+            try:
+                with self._lock:
+                    busy = self.engine.has_unfinished()
+                    touched = self.engine.step() if busy else []
+            except Exception as e:  # noqa: BLE001 -- fail the requests in flight, keep the engine serving
+                log.exception("engine step failed; aborting the requests in flight")
+                for req in list(self.engine.requests.values()):
+                    self.engine.abort(req.request_id)
+                    self._notify(req, e)
+                continue
             for req in touched:
                 self._notify(req)
             if not busy:

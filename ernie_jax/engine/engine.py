@@ -56,6 +56,7 @@ class Request:
     metrics: RequestMetrics
     output_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[dict[str, Any] | None] = dataclasses.field(default_factory=list)  # None for token 0
     pages: list[int] = dataclasses.field(default_factory=list)  # in the decode (or only) pool
     prefill_pages: list[int] = dataclasses.field(default_factory=list)  # in the prefill pool when disaggregated
     num_prefilled: int = 0
@@ -80,9 +81,14 @@ class Engine:
     def __init__(self, model: ErnieForCausalLM, *, prefill_model: ErnieForCausalLM | None = None,
                  max_num_seqs: int = 8, max_model_len: int = 2048, page_size: int = 16,
                  num_pages: int | None = None, prefill_chunk: int = 512, kv_cache_dtype: str = "auto",
-                 eos_token_ids: frozenset[int] = frozenset(), tokenizer=None, seed: int = 0):
+                 eos_token_ids: frozenset[int] = frozenset(), tokenizer=None, seed: int = 0,
+                 batch_invariant: bool = False):
         """model: the decode-side model (placed on its mesh). prefill_model: the same weights on a disjoint
-        mesh for disaggregated prefill, or None to prefill with `model` (colocated)."""
+        mesh for disaggregated prefill, or None to prefill with `model` (colocated).
+        batch_invariant: decode every batch at one shape (max_num_seqs rows), so a request's tokens do not
+        depend on what else is running. Matmul kernels pick their reduction order by shape, so with several
+        batch buckets a near-tie in greedy decoding can resolve differently alone and in a batch; prefill
+        is per request and always invariant."""
         self.cfg = model.config
         self.max_num_seqs, self.max_model_len, self.page_size = max_num_seqs, max_model_len, page_size
         self.max_pages = -(-max_model_len // page_size)
@@ -92,8 +98,9 @@ class Engine:
         t0 = time.perf_counter()
         self.decoder = ModelPrograms(model, num_pages=num_pages, page_size=page_size,
                                      max_pages_per_seq=self.max_pages, kv_cache_dtype=kv_cache_dtype,
-                                     prefill_buckets=[] if prefill_model is not None else buckets(self.prefill_chunk, 16),
-                                     decode_buckets=buckets(max_num_seqs),
+                                     prefill_buckets=[] if prefill_model is not None else
+                                     buckets(self.prefill_chunk, 16),
+                                     decode_buckets=[max_num_seqs] if batch_invariant else buckets(max_num_seqs),
                                      name="decode" if prefill_model is not None else "colocated")
         self.allocator = PageAllocator(num_pages, page_size)
         if prefill_model is not None:
@@ -112,7 +119,9 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._rng = np.random.default_rng(seed)
-        self.busy_seconds = {"prefill": 0.0, "decode": 0.0}
+        self.busy_seconds = {"prefill": 0.0, "decode": 0.0}  # per program kind: dispatch to result
+        self.moe_layers = [i for i in range(self.cfg.num_hidden_layers) if self.cfg.is_moe_layer(i)]
+        self.expert_tokens = np.zeros((len(self.moe_layers), self.cfg.moe_num_experts), np.int64)
 
     # ---- requests -----------------------------------------------------------------------------------------
     @property
@@ -135,6 +144,10 @@ class Engine:
         if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise RequestError(f"{len(prompt_ids)} prompt tokens + max_tokens {params.max_tokens} exceed "
                                f"max_model_len {self.max_model_len}")
+        V = self.cfg.vocab_size
+        bad = [t for t in list(params.logit_bias or ()) + params.stop_token_ids if not 0 <= t < V]
+        if bad:
+            raise RequestError(f"logit_bias / stop_token_ids name token ids outside [0, {V}): {bad[:5]}")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; use stop_token_ids")
 
@@ -217,6 +230,8 @@ class Engine:
             for i, r in enumerate(reqs):
                 np.add.at(counts[i], r.output_ids, 1)
                 prompt_mask[i, r.prompt_ids] = True
+                if r.params.logit_bias:
+                    bias[i, list(r.params.logit_bias)] += list(r.params.logit_bias.values())
                 if suppress[i]:  # min_tokens: no stop token before then
                     bias[i, list(self._stop_ids(r))] = -np.inf
             arrays["penalties"] = (f(x.presence_penalty for x in p), f(x.frequency_penalty for x in p),
@@ -254,7 +269,7 @@ class Engine:
         """One scheduling step; returns the requests that got a token (or finished) in it."""
         self._admit()
         touched: list[Request] = []
-        pending = []
+        pending, counts, scored = [], [], []
         if self.prefilling:
             req = self.prefilling[0]
             start = req.num_prefilled
@@ -264,8 +279,16 @@ class Engine:
             ids[0, :len(chunk)] = chunk
             positions = (start + np.arange(T, dtype=np.int32))[None]
             table = self._table(req.prefill_pages if self.disaggregated else req.pages)[None]
+            last = np.asarray([len(chunk) - 1], np.int32)
             t0 = time.perf_counter()
-            logits = self.prefiller.run("prefill", ids, positions, np.asarray([len(chunk) - 1], np.int32), table)
+            if req.params.prompt_logprobs is not None:
+                targets = req.prompt_ids[start + 1:start + 1 + len(chunk)]  # the token after each position
+                padded = np.asarray([targets + [0] * (T - len(targets))], np.int32)
+                logits, c, scores = self.prefiller.run_scored(ids, positions, last, table, padded)
+                scored.append((req, start, targets, scores))
+            else:
+                logits, c = self.prefiller.run("prefill", ids, positions, last, table)
+            counts.append(c)
             req.num_prefilled += len(chunk)
             if req.num_prefilled == len(req.prompt_ids):
                 arrays, nlp = self._sampling_arrays([req], 1, [0])
@@ -277,10 +300,16 @@ class Engine:
             ids = np.asarray([[r.output_ids[-1]] for r in reqs] + [[0]] * pad, np.int32)
             positions = np.asarray([[len(r.prompt_ids) + len(r.output_ids) - 1] for r in reqs] + [[0]] * pad, np.int32)
             tables = np.stack([self._table(r.pages) for r in reqs] + [self._table([])] * pad)
+            last = np.asarray([0] * len(reqs) + [-1] * pad, np.int32)  # -1: a padding row, no real token
             t0 = time.perf_counter()
-            logits = self.decoder.run("decode", ids, positions, np.zeros(B, np.int32), tables)
+            logits, c = self.decoder.run("decode", ids, positions, last, tables)
+            counts.append(c)
             arrays, nlp = self._sampling_arrays(reqs, B, [len(r.output_ids) for r in reqs])
             pending.append(("decode", reqs, self.decoder.sample(logits, arrays, nlp), t0))
+        for c in jax.device_get(counts):
+            self.expert_tokens += c
+        for req, start, targets, scores in scored:
+            self._add_prompt_logprobs(req, start, targets, jax.device_get(scores))
         for kind, reqs, result, t0 in pending:  # both programs are in flight before either is read
             tokens, lps, top_ids, top_lps = jax.device_get(result)
             self.busy_seconds[kind] += time.perf_counter() - t0
@@ -297,6 +326,15 @@ class Engine:
                 self._append(req, int(tokens[i]), lps[i], top_ids[i], top_lps[i])
                 touched.append(req)
         return touched
+
+    def _add_prompt_logprobs(self, req: Request, start: int, targets: list[int], scores) -> None:
+        target_lp, top_ids, top_lps = (a[0] for a in scores)
+        if start == 0:
+            req.prompt_logprobs.append(None)  # nothing precedes the first prompt token
+        n = req.params.prompt_logprobs
+        for i, token in enumerate(targets):
+            req.prompt_logprobs.append({"token": token, "logprob": float(target_lp[i]),
+                                        "top": list(zip(map(int, top_ids[i, :n]), map(float, top_lps[i, :n])))})
 
     def run_until_done(self, request_ids: list[str]) -> None:
         targets = [self.requests[r] for r in request_ids]

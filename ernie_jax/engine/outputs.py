@@ -25,6 +25,14 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     metrics: dict | None = None  # queue_time, ttft, tpot (seconds)
+    prompt_logprobs: list[dict | None] | None = None  # with SamplingParams.prompt_logprobs; None for token 0
+
+
+def request_output(req: Request, prompt: str | None, outputs: list[CompletionOutput], finished: bool) -> RequestOutput:
+    m = req.metrics
+    return RequestOutput(req.request_id, prompt, req.prompt_ids, outputs, finished,
+                         {"queue_time": m.queue_time, "ttft": m.ttft, "tpot": req.tpot},
+                         list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None)
 
 
 def completion(req: Request, index: int = 0) -> CompletionOutput:

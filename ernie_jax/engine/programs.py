@@ -5,29 +5,61 @@ ahead-of-time compiled executable per bucket: prefill per chunk length T (a [1,T
 pool through the request's block table, logits at the chunk's last real token), decode per batch size B
 (one token for each of B sequences). Every executable donates the pool and has explicit input and output
 shardings, so the pool is updated in place and never leaves its devices. `compile_report` lists buckets
-and seconds. The page transfer between two pools (prefill/decode disaggregation) lives here too.
+and seconds (programs compile in parallel, so the seconds overlap). A prefill variant that also returns
+prompt logprobs compiles on first use. Every program also counts the tokens routed to each expert of each
+MoE layer (the server's load metrics). The page transfer between two pools (prefill/decode
+disaggregation) lives here too.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import os
 import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from ernie_jax.model.ernie import ErnieForCausalLM
 from ernie_jax.model.forward import forward
 from ernie_jax.model.kv_cache import KV_CACHE_DTYPES, KVCache
-from ernie_jax.sampling import sample
+from ernie_jax.sampling import MAX_LOGPROBS, sample
 
 
 def _step(weights, input_ids, positions, cache, logit_positions, block_tables, *, cfg, plan):
+    """-> (logits [B,V] at logit_positions, cache, expert token counts [L_moe,E])."""
     out = forward(weights, cfg, input_ids, positions, cache, logit_positions, plan, block_tables)
-    return out.logits, out.cache
+    return out.logits, out.cache, _expert_counts(out.expert_ids, logit_positions, input_ids.shape, cfg)
+
+
+def _score_step(weights, input_ids, positions, cache, logit_positions, block_tables, targets, *, cfg, plan,
+                num_top):
+    """Prefill that also scores the chunk: the logprob of targets[b,t] (the next prompt token) after each
+    position, with the top `num_top` alternatives -- prompt logprobs, what `echo` + `logprobs` return."""
+    B, T = input_ids.shape
+    out = forward(weights, cfg, input_ids, positions, cache, None, plan, block_tables)
+    logprobs = jax.nn.log_softmax(out.logits, axis=-1)  # [B,T,V]
+    target_lp = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
+    top_lp, top_ids = lax.top_k(logprobs, num_top)
+    counts = _expert_counts(out.expert_ids, logit_positions, (B, T), cfg)
+    return out.logits[jnp.arange(B), logit_positions], out.cache, counts, (target_lp, top_ids, top_lp)
+
+
+def _expert_counts(expert_ids, logit_positions, shape, cfg) -> jax.Array:
+    """Tokens routed to each expert of each MoE layer, counting only real tokens: a row's tokens up to its
+    logit position (padding rows of a decode batch carry logit position -1)."""
+    B, T = shape
+    valid = (jnp.arange(T)[None, :] <= logit_positions[:, None]).reshape(-1).astype(jnp.int32)
+    if not expert_ids:
+        return jnp.zeros((0, cfg.moe_num_experts), jnp.int32)
+    ids = jnp.concatenate(expert_ids)  # [L_moe, B*T, k]
+    w = jnp.broadcast_to(valid[None, :, None], ids.shape)
+    return jax.vmap(lambda i, v: jnp.bincount(i.reshape(-1), v.reshape(-1), length=cfg.moe_num_experts))(ids, w)
 
 
 def buckets(limit: int, start: int = 1) -> list[int]:
@@ -37,6 +69,18 @@ def buckets(limit: int, start: int = 1) -> list[int]:
         out.append(b)
         b *= 2
     return out + [limit]
+
+
+def compile_all(jobs: dict[Any, Any]) -> dict[Any, tuple[Any, float]]:
+    """Compile lowered programs (or run warm-up thunks) on a thread pool: XLA compiles without the GIL, so
+    start-up uses every core. Returns {key: (result, seconds)}."""
+    def run(job):
+        t0 = time.perf_counter()
+        result = job.compile() if hasattr(job, "compile") else job()
+        return result, time.perf_counter() - t0
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        futures = {key: pool.submit(run, job) for key, job in jobs.items()}
+        return {key: f.result() for key, f in futures.items()}
 
 
 class ModelPrograms:
@@ -59,47 +103,64 @@ class ModelPrograms:
         self.cache = jax.device_put(cache, self.cache_shardings)
         self.prefill_buckets, self.decode_buckets = prefill_buckets, decode_buckets
         self.report: list[tuple[str, int, float]] = []
-        fn = functools.partial(_step, cfg=self.cfg, plan=self.plan)
         w_shardings = jax.tree.map(lambda a: a.sharding, self.weights)
-        self._jit = jax.jit(fn, donate_argnums=(3,),
-                            in_shardings=(w_shardings, self.replicated, self.replicated, self.cache_shardings,
-                                          self.replicated, self.replicated),
-                            out_shardings=(self.replicated, self.cache_shardings))
-        self._prefill = {T: self._compile("prefill", 1, T) for T in prefill_buckets}
-        self._decode = {B: self._compile("decode", B, 1) for B in decode_buckets}
-        for B in sorted(({1} if prefill_buckets else set()) | set(decode_buckets)):
-            self._warm_sampler(B)
+        rep = self.replicated
+        ins = (w_shardings, rep, rep, self.cache_shardings, rep, rep)
+        self._jit = jax.jit(functools.partial(_step, cfg=self.cfg, plan=self.plan), donate_argnums=(3,),
+                            in_shardings=ins, out_shardings=(rep, self.cache_shardings, rep))
+        self._score_jit = jax.jit(functools.partial(_score_step, cfg=self.cfg, plan=self.plan,
+                                                    num_top=MAX_LOGPROBS),
+                                  donate_argnums=(3,), in_shardings=ins + (rep,),
+                                  out_shardings=(rep, self.cache_shardings, rep, rep))
+        self._score: dict[int, Any] = {}  # scoring prefill per chunk length, compiled on first use
+        jobs = {("prefill", T): self._lower(self._jit, 1, T) for T in prefill_buckets}
+        jobs.update({("decode", B): self._lower(self._jit, B, 1) for B in decode_buckets})
+        samplers = sorted(({1} if prefill_buckets else set()) | set(decode_buckets))
+        jobs.update({("sampler", B): functools.partial(self._warm_sampler, B) for B in samplers})
+        done = compile_all(jobs)
+        self._prefill = {T: done["prefill", T][0] for T in prefill_buckets}
+        self._decode = {B: done["decode", B][0] for B in decode_buckets}
+        self.report += [(f"{self.name} {kind}", size, sec) for (kind, size), (_, sec) in done.items()]
 
-    def _compile(self, kind: str, B: int, T: int):
-        t0 = time.perf_counter()
+    def _lower(self, jitted, B: int, T: int, extra: tuple = ()):
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.replicated)  # noqa: E731
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                                 (self.weights, self.cache))
-        compiled = self._jit.lower(abstract[0], i32(B, T), i32(B, T), abstract[1], i32(B), i32(B, self.max_pages)
-                                   ).compile()
-        self.report.append((f"{self.name} {kind}", B if kind == "decode" else T, time.perf_counter() - t0))
-        return compiled
+        return jitted.lower(abstract[0], i32(B, T), i32(B, T), abstract[1], i32(B), i32(B, self.max_pages),
+                            *[i32(*shape) for shape in extra])
 
     def _warm_sampler(self, B: int) -> None:
         """Compile the sampler for a batch bucket now (plain sampling; penalties and min-p compile on use)."""
-        t0 = time.perf_counter()
         logits = jax.device_put(np.zeros((B, self.cfg.vocab_size), np.float32), self.replicated)
         f32, i32 = np.zeros(B, np.float32), np.zeros(B, np.int32)
         jax.block_until_ready(self.sample(logits, {"temperature": f32, "top_p": f32 + 1, "top_k": i32,
                                                    "seeds": i32.astype(np.uint32), "steps": i32, "min_p": None,
                                                    "penalties": None}, 0))
-        self.report.append((f"{self.name} sampler", B, time.perf_counter() - t0))
 
     def put(self, x) -> jax.Array:
         """Explicit host -> device copy onto this mesh (replicated)."""
         return jax.device_put(x, self.replicated)
 
-    def run(self, kind: str, ids, positions, logit_positions, block_tables) -> jax.Array:
+    def run(self, kind: str, ids, positions, logit_positions, block_tables) -> tuple[jax.Array, jax.Array]:
+        """One prefill chunk or decode step; returns (logits, expert token counts), both on device."""
         B, T = ids.shape
         fn = self._prefill[T] if kind == "prefill" else self._decode[B]
-        logits, self.cache = fn(self.weights, self.put(ids), self.put(positions), self.cache,
-                                self.put(logit_positions), self.put(block_tables))
-        return logits
+        logits, self.cache, counts = fn(self.weights, self.put(ids), self.put(positions), self.cache,
+                                        self.put(logit_positions), self.put(block_tables))
+        return logits, counts
+
+    def run_scored(self, ids, positions, logit_positions, block_tables, targets):
+        """A prefill chunk that also returns prompt logprobs: (logits, counts, (target_lp [1,T],
+        top ids [1,T,MAX_LOGPROBS], top logprobs)). The program for a chunk length compiles on first use."""
+        T = ids.shape[1]
+        if T not in self._score:
+            (fn, sec), = compile_all({0: self._lower(self._score_jit, 1, T, extra=((1, T),))}).values()
+            self._score[T] = fn
+            self.report.append((f"{self.name} prefill+prompt_logprobs", T, sec))
+        logits, self.cache, counts, scores = self._score[T](
+            self.weights, self.put(ids), self.put(positions), self.cache, self.put(logit_positions),
+            self.put(block_tables), self.put(targets))
+        return logits, counts, scores
 
     def sample(self, logits, arrays: dict[str, Any], num_logprobs: int):
         args = {k: self.put(v) if v is not None else None for k, v in arrays.items()}

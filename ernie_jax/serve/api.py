@@ -1,0 +1,393 @@
+"""The OpenAI-compatible HTTP routes over one AsyncEngine.
+
+`create_app(server)` builds the FastAPI app: /v1/models, /v1/completions, /v1/chat/completions (streaming
+as SSE with `data: [DONE]`), /health and /metrics. A request body is validated in full before anything is
+queued; a prompt list or `n` > 1 becomes several engine requests whose outputs are merged into one answer.
+Errors are OpenAI-shaped JSON with their HTTP status. A client that disconnects aborts its engine requests
+(streaming: Starlette cancels the body iterator; otherwise a watcher on the connection cancels the handler),
+which frees their KV pages at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from ernie_jax.engine.async_engine import AsyncEngine, EngineError
+from ernie_jax.engine.engine import RequestError
+from ernie_jax.engine.outputs import RequestOutput
+from ernie_jax.sampling import SamplingParams
+from ernie_jax.serve.metrics import ServerMetrics
+from ernie_jax.serve.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, error_body
+from ernie_jax.tokenizer import ChatTemplateError, Tokenizer
+
+log = logging.getLogger("ernie_jax.serve")
+
+
+@dataclasses.dataclass
+class Server:
+    """What the routes need: the engine, tokenizer, names and limits."""
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    model_name: str
+    defaults: dict[str, Any]  # sampling defaults from generation_config.json
+    metrics: ServerMetrics
+    max_queue_len: int = 256
+    max_n: int = 16
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+
+@dataclasses.dataclass
+class _Prompt:
+    text: str | None
+    ids: list[int]
+
+
+def create_app(server: Server) -> FastAPI:
+    app = FastAPI(title="ernie_jax", docs_url=None, redoc_url=None)
+    app.state.server = server
+
+    @app.exception_handler(ProtocolError)
+    async def _protocol_error(request: Request, e: ProtocolError):
+        return _error(server, str(e), e.status, e.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        first = e.errors()[0]
+        if first.get("type") == "json_invalid":
+            return _error(server, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}", 400)
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        # A union field reports one error per alternative; name the field and what it got, once.
+        param = ".".join(x for x in loc if not x[0].isupper() and "[" not in x and x not in
+                         ("str", "int", "float", "list", "list[int]", "list[str]")) or None
+        got = first.get("input")
+        message = (f"field '{param}': {first.get('msg')}" + (f" (got {json.dumps(got)[:80]})" if got is not None
+                                                            and first.get("type") != "missing" else "")
+                   if param else f"invalid request body: {first.get('msg')}")
+        return _error(server, message, 400, param)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, e: HTTPException):
+        return _error(server, str(e.detail), e.status_code)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not server.engine.alive:
+            return _error(server, "the engine thread has stopped", 503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        cfg = server.engine.engine.cfg
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
+                                            "owned_by": "ernie_jax", "root": server.model_name,
+                                            "max_model_len": server.engine.engine.max_model_len,
+                                            "vocab_size": cfg.vocab_size}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        _check_model(server, body.model)
+        params = body.to_params(server.defaults)
+        prompts = [_Prompt(p, server.tokenizer.encode(p)) if isinstance(p, str)
+                   else _Prompt(None, list(p)) for p in body.prompts()]
+        return await _respond(server, request, body, prompts, params, _CompletionFormat(server, body, prompts))
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        _check_model(server, body.model)
+        params = body.to_params(server.defaults)
+        try:
+            conversation = body.conversation()
+            text = server.tokenizer.apply_chat_template(conversation, body.add_generation_prompt)
+        except ChatTemplateError as e:
+            raise ProtocolError(str(e), param="messages") from None
+        prompts = [_Prompt(text, server.tokenizer.encode(text, allow_special=True))]
+        return await _respond(server, request, body, prompts, params, _ChatFormat(server, body))
+
+    return app
+
+
+def _error(server: Server, message: str, status: int, param: str | None = None) -> JSONResponse:
+    server.metrics.rejected(status)
+    return JSONResponse(error_body(message, status, param), status_code=status)
+
+
+def _check_model(server: Server, model: str | None) -> None:
+    if model is not None and model != server.model_name:
+        raise ProtocolError(f"the model '{model}' does not exist; this server serves '{server.model_name}'",
+                            status=404, param="model")
+
+
+# ---- running requests --------------------------------------------------------------------------------------
+async def _respond(server: Server, request: Request, body, prompts: list[_Prompt], params: SamplingParams, fmt):
+    if params.n > server.max_n:
+        raise ProtocolError(f"n={params.n} is more than this server allows ({server.max_n})", param="n")
+    engine = server.engine.engine
+    for i, p in enumerate(prompts):  # the whole request is checked before any of it is queued
+        try:
+            engine.validate(p.ids, params)
+        except RequestError as e:
+            raise ProtocolError(f"prompt {i}: {e}" if len(prompts) > 1 else str(e), param="prompt") from None
+    count = len(prompts) * params.n
+    if len(engine.waiting) + count > server.max_queue_len:
+        raise ProtocolError(f"the server is busy ({len(engine.waiting)} requests waiting, limit "
+                            f"{server.max_queue_len}); retry later", status=429)
+    request_id = f"{fmt.prefix}-{uuid.uuid4().hex}"
+    outputs = _merge(server, _add_requests(server, request_id, prompts, params))
+    if body.stream:
+        return StreamingResponse(_sse(fmt.stream(outputs, params)), media_type="text/event-stream")
+    return await _cancel_on_disconnect(request, fmt.collect(outputs, params))
+
+
+def _add_requests(server: Server, request_id: str, prompts: list[_Prompt], params: SamplingParams) -> list:
+    """Every (prompt, sample) as its own engine request, queued now. Sample j of a seeded request uses
+    seed + j, so the n samples differ and each is reproducible."""
+    streams = []
+    try:
+        for i, p in enumerate(prompts):
+            for j in range(params.n):
+                sub = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + j)
+                rid = f"{request_id}-{i}-{j}"
+                streams.append((rid, server.engine.add_request(p.ids, sub, rid, p.text)))
+    except RequestError as e:
+        for rid, _ in streams:
+            server.engine.abort(rid)
+        raise ProtocolError(str(e), param="prompt") from None
+    return streams
+
+
+async def _merge(server: Server, streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yields (choice index, output snapshot) from all (request id, stream) pairs as they come."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream) -> None:
+        try:
+            async for out in stream:
+                await queue.put((index, out))
+        except Exception as e:  # noqa: BLE001 -- delivered to the consumer, which fails the response
+            await queue.put((index, e))
+
+    tasks = [asyncio.create_task(pump(k, s)) for k, (_, s) in enumerate(streams)]
+    done: set[int] = set()
+    try:
+        while len(done) < len(tasks):
+            index, out = await queue.get()
+            if isinstance(out, Exception):
+                raise out
+            if out.finished:
+                done.add(index)
+            yield index, out
+    finally:  # a consumer that stops early (disconnect, error) aborts whatever is still running
+        for k, t in enumerate(tasks):
+            t.cancel()
+            if k not in done:
+                server.engine.abort(streams[k][0])
+
+
+async def _cancel_on_disconnect(request: Request, coro):
+    """Await `coro` unless the client goes away first; then cancel it (which aborts its engine requests)."""
+    task = asyncio.ensure_future(coro)
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        return Response(status_code=499)
+    return task.result()
+
+
+async def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    try:
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+    except (EngineError, RequestError) as e:
+        yield f"data: {json.dumps(error_body(str(e), 500))}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+# ---- response formats ----------------------------------------------------------------------------------------
+class _Choices:
+    """Tracks what each choice has already sent, so a stream sends deltas. While a request with stop strings
+    runs, the last len(longest stop) - 1 characters are held back: they may turn out to start a stop string,
+    which is cut from the answer."""
+
+    def __init__(self, params: SamplingParams):
+        self.hold = max((len(s) for s in params.stop), default=1) - 1
+        self.sent_text: dict[int, int] = {}
+        self.sent_tokens: dict[int, int] = {}
+
+    def delta(self, index: int, out: RequestOutput) -> tuple[str, list[dict]]:
+        c = out.outputs[0]
+        text = c.text or ""
+        end = len(text) if out.finished else max(len(text) - self.hold, self.sent_text.get(index, 0))
+        start, self.sent_text[index] = self.sent_text.get(index, 0), end
+        lp_start, self.sent_tokens[index] = self.sent_tokens.get(index, 0), len(c.token_ids)
+        return text[start:end], (c.logprobs or [])[lp_start:]
+
+
+def _usage(prompts_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompts_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompts_tokens + completion_tokens}
+
+
+class _Format:
+    prefix = "cmpl"
+
+    def __init__(self, server: Server, body):
+        self.server, self.body, self.created = server, body, int(time.time())
+        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+
+    def token_text(self, token: int) -> str:
+        return self.server.tokenizer.token_text(token)
+
+    def envelope(self, obj: str, choices: list[dict], usage: dict | None = None) -> dict:
+        out = {"id": self.id, "object": obj, "created": self.created, "model": self.server.model_name,
+               "choices": choices}
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+    async def collect(self, outputs, params: SamplingParams) -> dict:
+        final: dict[int, RequestOutput] = {}
+        try:
+            async for index, out in outputs:
+                if out.finished:
+                    final[index] = out
+        except EngineError as e:
+            raise ProtocolError(str(e), status=500) from None
+        return self.complete([final[i] for i in sorted(final)], params)
+
+    async def stream(self, outputs, params: SamplingParams) -> AsyncIterator[dict]:
+        choices = _Choices(params)
+        opts = self.body.stream_options
+        prompt_tokens: dict[int, int] = {}
+        completion_tokens: dict[int, int] = {}
+        async for index, out in outputs:
+            first = index not in choices.sent_tokens
+            text, lps = choices.delta(index, out)
+            prompt_tokens[index // params.n] = len(out.prompt_token_ids)
+            completion_tokens[index] = len(out.outputs[0].token_ids)
+            usage = _usage(sum(prompt_tokens.values()), sum(completion_tokens.values())) \
+                if opts is not None and opts.continuous_usage_stats else None
+            for chunk in self.chunks(index, out, text, lps, first):
+                yield self.envelope(self.chunk_object, [chunk], usage)
+        if opts is not None and opts.include_usage:
+            yield self.envelope(self.chunk_object, [], _usage(sum(prompt_tokens.values()),
+                                                              sum(completion_tokens.values())))
+
+
+class _CompletionFormat(_Format):
+    prefix, chunk_object = "cmpl", "text_completion"
+
+    def __init__(self, server: Server, body: CompletionRequest, prompts: list[_Prompt]):
+        super().__init__(server, body)
+        self.prompts = prompts
+        self.echo_only = body.echo and body.max_tokens == 0  # score the prompt, generate nothing
+
+    def _prompt_text(self, p: _Prompt) -> str:
+        return p.text if p.text is not None else self.server.tokenizer.decode(p.ids)
+
+    def _logprobs(self, entries: list[tuple[int, float | None, list | None]], offset: int) -> dict:
+        """OpenAI's legacy completion logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+        tokens, lps, tops, offsets = [], [], [], []
+        for token, lp, top in entries:
+            text = self.token_text(token)
+            tokens.append(text)
+            lps.append(lp)
+            tops.append(None if top is None else {self.token_text(t): v for t, v in top})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _choice(self, index: int, out: RequestOutput, params: SamplingParams) -> dict:
+        c = out.outputs[0]
+        p = self.prompts[index // params.n]
+        gen_lps, text = (c.logprobs or [], c.text or "") if not self.echo_only else ([], "")
+        logprobs = None
+        if params.logprobs is not None:
+            entries = []
+            if self.body.echo:
+                prompt_lps = out.prompt_logprobs or [None] * len(p.ids)
+                entries += [(t, None if e is None else e["logprob"], None if e is None else e["top"])
+                            for t, e in zip(p.ids, prompt_lps)]
+            entries += [(e["token"], e["logprob"], e["top"]) for e in gen_lps]
+            logprobs = self._logprobs(entries, 0)
+        if self.body.echo:
+            text = self._prompt_text(p) + text
+        finish = "length" if self.echo_only else c.finish_reason
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
+                "stop_reason": None if self.echo_only else c.stop_reason}
+
+    def complete(self, outs: list[RequestOutput], params: SamplingParams) -> dict:
+        choices = [self._choice(i, out, params) for i, out in enumerate(outs)]
+        prompt_tokens = sum(len(p.ids) for p in self.prompts)
+        completion_tokens = 0 if self.echo_only else sum(len(o.outputs[0].token_ids) for o in outs)
+        return self.envelope("text_completion", choices, _usage(prompt_tokens, completion_tokens))
+
+    def chunks(self, index: int, out: RequestOutput, text: str, lps: list[dict], first: bool) -> list[dict]:
+        if first and self.body.echo:
+            text = self._prompt_text(self.prompts[index // self.body.n]) + text
+        logprobs = None if self.body.logprobs is None else self._logprobs(
+            [(e["token"], e["logprob"], e["top"]) for e in lps], 0)
+        c = out.outputs[0]
+        return [{"index": index, "text": text, "logprobs": logprobs,
+                 "finish_reason": c.finish_reason if out.finished else None,
+                 "stop_reason": c.stop_reason if out.finished else None}]
+
+
+class _ChatFormat(_Format):
+    prefix, chunk_object = "chatcmpl", "chat.completion.chunk"
+
+    def _logprobs(self, lps: list[dict]) -> dict:
+        def entry(token, lp):
+            text = self.token_text(token)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+        return {"content": [{**entry(e["token"], e["logprob"]), "top_logprobs": [entry(t, v) for t, v in e["top"]]}
+                            for e in lps]}
+
+    def complete(self, outs: list[RequestOutput], params: SamplingParams) -> dict:
+        choices = []
+        for i, out in enumerate(outs):
+            c = out.outputs[0]
+            choices.append({"index": i, "message": {"role": "assistant", "content": c.text or ""},
+                            "logprobs": self._logprobs(c.logprobs) if params.logprobs is not None else None,
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        prompt_tokens = len(outs[0].prompt_token_ids)
+        return self.envelope("chat.completion", choices,
+                             _usage(prompt_tokens, sum(len(o.outputs[0].token_ids) for o in outs)))
+
+    def chunks(self, index: int, out: RequestOutput, text: str, lps: list[dict], first: bool) -> list[dict]:
+        logprobs = self._logprobs(lps) if self.body.logprobs else None
+        out_chunks = []
+        if first:
+            out_chunks.append({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                               "finish_reason": None})
+        if text or lps:
+            out_chunks.append({"index": index, "delta": {"content": text}, "logprobs": logprobs,
+                               "finish_reason": None})
+        if out.finished:
+            c = out.outputs[0]
+            out_chunks.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason,
+                               "stop_reason": c.stop_reason})
+        return out_chunks

@@ -1,0 +1,165 @@
+"""`python -m ernie_jax.serve [--model DIR] --mesh 8 ...`: load, compile, serve, drain on SIGTERM.
+
+Flag names follow vLLM and FastDeploy where they overlap. With no `--model` the package's embedded model
+(ernie_jax/assets) is served. `--mesh N` on a machine whose accelerators are fewer than N (a CPU-only
+machine) sets up N host devices before JAX starts, so the same command runs anywhere. On SIGTERM or
+Ctrl-C the server stops accepting connections, lets the requests in flight finish (up to
+`--shutdown-timeout` seconds), then stops the engine and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import signal
+import sys
+import time
+
+log = logging.getLogger("ernie_jax.serve")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m ernie_jax.serve", description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    a = ap.add_argument
+    a("--model", default=None, help="checkpoint folder (Paddle, FP8-Paddle, HF or ernie_jax layout); "
+                                    "default: the embedded ernie-4.5-tiny-fp8")
+    a("--served-model-name", default=None, help="the model id clients send (default: the folder name)")
+    a("--host", default="127.0.0.1")
+    a("--port", type=int, default=8180)
+    a("--mesh", default=None, help="device count or axis sizes ('data=1,expert=4,tensor=2'); default: one device")
+    a("--prefill-devices", type=int, default=None, help="devices of the prefill submesh (default: half)")
+    a("--no-disaggregate", dest="disaggregate", action="store_false",
+      help="run prefill and decode on the whole mesh (colocated) instead of on disjoint submeshes")
+    a("--sharding", default="tp_ep", choices=["tp_ep", "tp", "dp_attn_ep"])
+    a("--max-model-len", type=int, default=None, help="prompt + output tokens (default: min(model's, 2048))")
+    a("--max-num-seqs", type=int, default=16, help="sequences decoded together")
+    a("--max-num-batched-tokens", type=int, default=512, help="prefill chunk length")
+    a("--batch-invariant", action="store_true", help="decode at one batch shape, so a request's output never "
+      "depends on what else runs (costs throughput at low load; fewer programs to compile)")
+    a("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    a("--quantization", default=None, choices=["fp8"], help="quantize a BF16 checkpoint to block FP8 at load")
+    a("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8"])
+    a("--block-size", type=int, default=16, help="tokens per KV page")
+    a("--num-gpu-blocks-override", type=int, default=None, help="KV pages in the decode pool")
+    a("--max-queue-len", type=int, default=256, help="waiting requests beyond which new ones get HTTP 429")
+    a("--max-n", type=int, default=16, help="the largest n (samples per prompt) a request may ask for")
+    a("--seed", type=int, default=0)
+    a("--compilation-cache-dir", default="~/.cache/ernie_jax/xla", help="JAX persistent compilation cache ('' = off)")
+    a("--shutdown-timeout", type=float, default=300.0, help="seconds to let requests finish after SIGTERM")
+    a("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return ap.parse_args(argv)
+
+
+def mesh_size(mesh: str | None) -> int:
+    if not mesh:
+        return 1
+    if mesh.isdigit():
+        return int(mesh)
+    try:
+        return math.prod(int(part.split("=")[1]) for part in mesh.split(","))
+    except (IndexError, ValueError):
+        raise SystemExit(f"--mesh {mesh!r}: expected a device count or 'data=D,expert=E,tensor=T'") from None
+
+
+def setup_host_devices(n: int) -> None:
+    """Ask XLA for n host (CPU) devices. Must run before JAX initialises; it changes only the CPU
+    platform, so on a GPU machine the GPUs stay the default devices."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if n > 1 and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    launched = time.perf_counter()
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    n_devices = mesh_size(args.mesh)
+    setup_host_devices(n_devices)
+
+    import jax
+    import uvicorn
+
+    from ernie_jax.assets import EMBEDDED_MODEL_DIR
+    from ernie_jax.engine.async_engine import AsyncEngine
+    from ernie_jax.llm import LLM
+    from ernie_jax.serve.api import Server, create_app
+    from ernie_jax.serve.metrics import ServerMetrics
+
+    if len(jax.devices()) < n_devices:
+        raise SystemExit(f"--mesh {args.mesh} needs {n_devices} devices; this machine has {len(jax.devices())} "
+                         f"({jax.default_backend()})")
+    model_dir = args.model or EMBEDDED_MODEL_DIR
+    if not os.path.isdir(model_dir):
+        raise SystemExit(f"--model {model_dir!r} is not a folder")
+    name = args.served_model_name or os.path.basename(os.path.normpath(model_dir))
+    llm = LLM(model_dir, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+              mesh=args.mesh if n_devices > 1 else None, prefill_devices=args.prefill_devices,
+              disaggregate=args.disaggregate, sharding=args.sharding, page_size=args.block_size,
+              num_pages=args.num_gpu_blocks_override, prefill_chunk=args.max_num_batched_tokens,
+              compilation_cache_dir=args.compilation_cache_dir or None, batch_invariant=args.batch_invariant)
+    if llm.tokenizer is None:
+        raise SystemExit(f"{model_dir} has no tokenizer.model; the server needs one to render chats and text")
+    _log_startup(llm, model_dir, args)
+
+    engine = llm.engine
+    metrics = ServerMetrics(engine, name)
+    async_engine = AsyncEngine(engine, on_finish=metrics.on_finish)
+    defaults = llm.get_default_sampling_params()
+    server = Server(async_engine, llm.tokenizer, name,
+                    {k: getattr(defaults, k) for k in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                                                       "frequency_penalty", "repetition_penalty")},
+                    metrics, max_queue_len=args.max_queue_len, max_n=args.max_n)
+    app = create_app(server)
+
+    class _Uvicorn(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if not self.should_exit:
+                log.info("serving '%s' at http://%s:%d/v1 (ready %.1f s after launch)", name, args.host, args.port,
+                         time.perf_counter() - launched)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    # uvicorn drains on SIGTERM / SIGINT, then re-raises the signal to the handler it found; a no-op one
+    # here makes a drained shutdown exit 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    _Uvicorn(config).run()  # returns once the connections in flight are done
+    left = len(engine.requests)
+    async_engine.shutdown()
+    log.info("shut down after draining (%d requests unfinished)", left)
+    return 0
+
+
+def _log_startup(llm, model_dir: str, args) -> None:
+    cfg, engine = llm.model.config, llm.engine
+    q = "block-FP8" if any(getattr(leaf, "dtype", None) is not None and "float8" in str(leaf.dtype)
+                           for leaf in _leaves(llm.model)) else args.dtype
+    log.info("loaded %s: %d layers (%d MoE, %d experts top-%d), hidden %d, vocab %d, weights %s, KV cache %s",
+             model_dir, cfg.num_hidden_layers, cfg.num_moe_layers, cfg.moe_num_experts, cfg.moe_k, cfg.hidden_size,
+             cfg.vocab_size, q, args.kv_cache_dtype)
+    ids = lambda programs: ",".join(str(d.id) for d in programs.devices)  # noqa: E731
+    if engine.disaggregated:
+        log.info("mesh split: prefill on devices [%s], decode on devices [%s] (%s)", ids(engine.prefiller),
+                 ids(engine.decoder), engine.decoder.devices[0].platform)
+    else:
+        log.info("colocated: prefill and decode on devices [%s] (%s)", ids(engine.decoder),
+                 engine.decoder.devices[0].platform)
+    report = engine.compile_report
+    log.info("compiled %d programs in %.1f s (%s); max_model_len %d, max_num_seqs %d, %d KV pages of %d tokens",
+             len(report), engine.startup_seconds,
+             ", ".join(f"{name} {size}: {sec:.1f}s" for name, size, sec in report),
+             engine.max_model_len, engine.max_num_seqs, engine.allocator.capacity, engine.page_size)
+
+
+def _leaves(model):
+    import jax
+    return jax.tree.leaves(model.weights())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

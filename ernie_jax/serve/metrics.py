@@ -1,0 +1,103 @@
+"""Prometheus metrics of the server (`GET /metrics`), named like vLLM's with an `ernie_jax:` prefix.
+
+Per-request histograms (TTFT, TPOT, end-to-end, queue time) and outcome counters are observed when a
+request finishes (on the engine thread) or is rejected (on the HTTP side). Engine state -- running and
+waiting requests, KV-cache usage per pool, tokens routed to each expert of each MoE layer, each
+submesh's busy seconds, KV transfer totals -- is read at scrape time by a collector, so it costs nothing
+between scrapes. Each server has its own registry (several can live in one process, e.g. in tests).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ernie_jax.engine.engine import Engine, Request
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+_TPOT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+_OUTCOME = {400: "rejected_invalid", 404: "rejected_invalid", 413: "rejected_invalid", 429: "rejected_busy"}
+
+
+class ServerMetrics:
+    def __init__(self, engine: Engine, model_name: str):
+        self.registry = r = CollectorRegistry()
+        labels = {"model_name": model_name}
+        self.requests = Counter("ernie_jax:requests", "Requests by outcome: the finish reason (stop, length, "
+                                "abort) or the rejection (rejected_invalid, rejected_busy, error)",
+                                ["model_name", "outcome"], registry=r)
+        hist = lambda name, doc, buckets: Histogram(  # noqa: E731
+            name, doc, ["model_name"], buckets=buckets, registry=r).labels(**labels)
+        self.ttft = hist("ernie_jax:time_to_first_token_seconds", "Arrival to first token", _LATENCY)
+        self.tpot = hist("ernie_jax:time_per_output_token_seconds", "Mean gap between output tokens", _TPOT)
+        self.e2e = hist("ernie_jax:e2e_request_latency_seconds", "Arrival to finish", _LATENCY)
+        self.queue = hist("ernie_jax:request_queue_time_seconds", "Arrival to admission (pages reserved)", _LATENCY)
+        self.prompt_tokens = Counter("ernie_jax:prompt_tokens", "Prompt tokens of finished requests",
+                                     ["model_name"], registry=r).labels(**labels)
+        self.generation_tokens = Counter("ernie_jax:generation_tokens", "Generated tokens of finished requests",
+                                         ["model_name"], registry=r).labels(**labels)
+        self.model_name = model_name
+        r.register(_EngineCollector(engine, model_name))
+
+    def on_finish(self, req: Request) -> None:
+        m = req.metrics
+        self.requests.labels(self.model_name, req.finish_reason).inc()
+        self.prompt_tokens.inc(len(req.prompt_ids))
+        self.generation_tokens.inc(len(req.output_ids))
+        if m.ttft is not None:
+            self.ttft.observe(m.ttft)
+        if req.tpot is not None:
+            self.tpot.observe(req.tpot)
+        if m.queue_time is not None:
+            self.queue.observe(m.queue_time)
+        if m.finished_time is not None:
+            self.e2e.observe(m.finished_time - m.arrival_time)
+
+    def rejected(self, status: int) -> None:
+        self.requests.labels(self.model_name, _OUTCOME.get(status, "error")).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    def __init__(self, engine: Engine, model_name: str):
+        self.engine, self.model_name = engine, model_name
+
+    def collect(self):
+        e, name = self.engine, self.model_name
+        g = GaugeMetricFamily("ernie_jax:num_requests_running", "Requests in prefill or decode", labels=["model_name"])
+        g.add_metric([name], len(e.running) + len(e.prefilling))
+        yield g
+        g = GaugeMetricFamily("ernie_jax:num_requests_waiting", "Requests waiting for KV pages or a batch slot",
+                              labels=["model_name"])
+        g.add_metric([name], len(e.waiting))
+        yield g
+        g = GaugeMetricFamily("ernie_jax:kv_cache_usage_perc", "Fraction of KV pages in use, per pool",
+                              labels=["model_name", "pool"])
+        g.add_metric([name, "decode" if e.disaggregated else "colocated"], e.allocator.usage)
+        if e.disaggregated:
+            g.add_metric([name, "prefill"], e.prefill_allocator.usage)
+        yield g
+        c = CounterMetricFamily("ernie_jax:moe_expert_tokens", "Tokens routed to each expert of each MoE layer",
+                                labels=["model_name", "layer", "expert"])
+        counts = e.expert_tokens.copy()
+        for row, layer in enumerate(e.moe_layers):
+            for expert, n in enumerate(counts[row]):
+                c.add_metric([name, str(layer), str(expert)], float(n))
+        yield c
+        c = CounterMetricFamily("ernie_jax:submesh_busy_seconds", "Seconds from dispatch to result of each "
+                                "submesh's programs", labels=["model_name", "submesh", "program"])
+        for program, seconds in e.busy_seconds.items():
+            submesh = program if e.disaggregated else "colocated"
+            c.add_metric([name, submesh, program], seconds)
+        yield c
+        if e.disaggregated:
+            c = CounterMetricFamily("ernie_jax:kv_transfer_seconds", "Time moving KV pages prefill -> decode",
+                                    labels=["model_name"])
+            c.add_metric([name], e.transfer.seconds)
+            yield c
+            c = CounterMetricFamily("ernie_jax:kv_transfer_bytes", "KV bytes moved prefill -> decode",
+                                    labels=["model_name"])
+            c.add_metric([name], float(e.transfer.bytes))
+            yield c

@@ -1,0 +1,392 @@
+"""The OpenAI-compatible server as a real process (`python -m ernie_jax.serve --mesh 8`, prefill on 4 fake CPU
+devices, decode on the other 4) on the embedded FP8 model, driven by the official `openai` client.
+
+Tests run in file order against one server; the last one sends SIGTERM and checks the drain.
+"""
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from ernie_jax.assets import EMBEDDED_MODEL_DIR, EMBEDDED_MODEL_NAME
+from ernie_jax.tokenizer import Tokenizer
+
+MAX_MODEL_LEN = 512
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the server sets up its own 8 devices
+    env["JAX_PLATFORMS"] = "cpu"
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+    cache = os.path.join(tempfile.gettempdir(), "ernie_jax_test_xla_cache")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ernie_jax.serve", "--mesh", "8", "--port", str(port), "--max-model-len",
+         str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--max-queue-len", "64",
+         "--batch-invariant",
+         "--compilation-cache-dir", cache], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        raise RuntimeError("server did not come up in 600 s")
+    yield {"url": url, "proc": proc, "log": log.name}
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value}."""
+    out = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+def metric(values: dict, name: str, **labels) -> float:
+    """Sum of the series of `name` whose labels include `labels`."""
+    total = 0.0
+    for key, v in values.items():
+        base = key.split("{")[0]
+        if base == name and all(f'{k}="{val}"' in key for k, val in labels.items()):
+            total += v
+    return total
+
+
+def test_start_up_log_and_models(server, client):
+    with open(server["log"]) as f:
+        log = f.read()
+    assert "mesh split: prefill on devices [0,1,2,3], decode on devices [4,5,6,7]" in log
+    assert re.search(r"compiled \d+ programs", log) and "block-FP8" in log
+    assert re.search(rf"serving '{EMBEDDED_MODEL_NAME}' at {server['url']}/v1 \(ready [\d.]+ s after launch\)", log)
+    assert [m.id for m in client.models.list().data] == [EMBEDDED_MODEL_NAME]
+    assert httpx.get(server["url"] + "/health").status_code == 200
+
+
+def test_chat_completion(client, tokenizer):
+    messages = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "你好，介绍一下你自己"}]
+    r = client.chat.completions.create(model=EMBEDDED_MODEL_NAME, messages=messages, max_tokens=8, temperature=0)
+    c = r.choices[0]
+    assert r.object == "chat.completion" and c.message.role == "assistant" and c.finish_reason == "length"
+    assert r.usage.prompt_tokens == len(tokenizer.encode_chat(messages))
+    assert r.usage.completion_tokens == 8 and r.usage.total_tokens == r.usage.prompt_tokens + 8
+    assert c.message.content and "\ufffd" not in c.message.content
+    # content as a list of text parts is the same conversation
+    parts = [messages[0], {"role": "user", "content": [{"type": "text", "text": "你好，"},
+                                                         {"type": "text", "text": "介绍一下你自己"}]}]
+    r2 = client.chat.completions.create(model=EMBEDDED_MODEL_NAME, messages=parts, max_tokens=8, temperature=0)
+    assert r2.choices[0].message.content == c.message.content
+
+
+def test_text_completions_batches_and_n(client, tokenizer):
+    r = client.completions.create(model=EMBEDDED_MODEL_NAME, prompt=["The engine", "专家"], max_tokens=5,
+                                  temperature=0)
+    assert [c.index for c in r.choices] == [0, 1] and all(c.finish_reason == "length" for c in r.choices)
+    assert r.usage.prompt_tokens == len(tokenizer.encode("The engine")) + len(tokenizer.encode("专家"))
+    assert r.usage.completion_tokens == 10
+    ids = tokenizer.encode("The engine")
+    r_ids = client.completions.create(model=EMBEDDED_MODEL_NAME, prompt=[ids, [5, 6, 7]], max_tokens=5,
+                                      temperature=0)
+    assert r_ids.choices[0].text == r.choices[0].text  # a token-id prompt is the same prompt
+    r_n = client.completions.create(model=EMBEDDED_MODEL_NAME, prompt=["a", "b"], max_tokens=4, n=3,
+                                    temperature=1.0, seed=7)
+    assert [c.index for c in r_n.choices] == list(range(6))
+    assert len({c.text for c in r_n.choices[:3]}) > 1  # n samples of one prompt differ
+
+
+def test_stop_sequences(client):
+    kw = {"model": EMBEDDED_MODEL_NAME, "prompt": "User: hello\nAssistant: ", "max_tokens": 24, "temperature": 0,
+          "extra_body": {"ignore_eos": True}}
+    full = client.completions.create(**kw).choices[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    cut = full[:full.index(stop)]
+    r = client.completions.create(**kw, stop=[stop, "never-appears"])
+    assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+    streamed = "".join(ch.choices[0].text for ch in client.completions.create(**kw, stop=stop, stream=True)
+                       if ch.choices)
+    assert streamed == cut  # streaming holds back text that may start a stop string
+
+
+def test_seeds_reproducible(client):
+    kw = {"model": EMBEDDED_MODEL_NAME, "messages": [{"role": "user", "content": "tell me a story"}],
+          "max_tokens": 12, "temperature": 1.0, "top_p": 0.95}
+    a = client.chat.completions.create(**kw, seed=1234).choices[0].message.content
+    b = client.chat.completions.create(**kw, seed=1234).choices[0].message.content
+    c = client.chat.completions.create(**kw, seed=99).choices[0].message.content
+    assert a == b and a != c
+
+
+def test_streaming_async_client(server):
+    async def run():
+        aclient = openai.AsyncOpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "stream, please"}]
+        full = await aclient.chat.completions.create(model=EMBEDDED_MODEL_NAME, messages=messages, max_tokens=10,
+                                                     temperature=0)
+        chunks = [c async for c in await aclient.chat.completions.create(
+            model=EMBEDDED_MODEL_NAME, messages=messages, max_tokens=10, temperature=0, stream=True,
+            stream_options={"include_usage": True})]
+        await aclient.close()
+        return full, chunks
+    full, chunks = asyncio.run(run())
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 10
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_logprobs_and_extensions(client):
+    r = client.chat.completions.create(model=EMBEDDED_MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 6
+    for e in content:
+        assert len(e.top_logprobs) == 3 and e.logprob <= 0
+        assert e.logprob == pytest.approx(e.top_logprobs[0].logprob)  # greedy picks the top token
+    # ignore_eos + min_tokens + penalties + continuous usage stats in a stream
+    chunks = list(client.chat.completions.create(
+        model=EMBEDDED_MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=9, temperature=0,
+        presence_penalty=1.5, frequency_penalty=1.0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True, "min_tokens": 9, "top_k": 5, "repetition_penalty": 1.2}))
+    usage = [c.usage.completion_tokens for c in chunks if c.usage is not None]
+    assert usage[-1] == 9 and usage == sorted(usage) and len(usage) == len(chunks)
+
+
+def test_echo_prompt_logprobs(client, tokenizer):
+    """What lm-evaluation-harness's loglikelihood sends: token-id prompts, echo, logprobs, max_tokens 0 or 1."""
+    ids = tokenizer.encode("The KV cache moves between submeshes after prefill")
+    gen = client.completions.create(model=EMBEDDED_MODEL_NAME, prompt=ids, max_tokens=1, temperature=0, logprobs=1)
+    g = gen.choices[0].logprobs
+    nxt_text, nxt_lp = g.tokens[0], g.token_logprobs[0]
+    nxt = tokenizer.encode(gen.choices[0].text) if nxt_text.strip() else None
+    r = client.completions.create(model=EMBEDDED_MODEL_NAME, prompt=[ids, ids[:5]], max_tokens=0, echo=True,
+                                  logprobs=2, temperature=0)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:]) and all(len(t) <= 2 for t in lp.top_logprobs[1:])
+    assert r.choices[0].text == tokenizer.decode(ids) and r.usage.completion_tokens == 0
+    assert len(r.choices[1].logprobs.tokens) == 5
+    # the first prompt is a prefix of the second's scoring: same logprobs for shared positions
+    assert np.allclose(lp.token_logprobs[1:5], r.choices[1].logprobs.token_logprobs[1:5], atol=2e-2)
+    # scoring prompt + greedy token gives that token the logprob generation reported
+    if nxt is not None and len(nxt) == 1:
+        r2 = client.completions.create(model=EMBEDDED_MODEL_NAME, prompt=ids + nxt, max_tokens=1, echo=True,
+                                       logprobs=1, temperature=0)
+        lps = r2.choices[0].logprobs.token_logprobs
+        assert len(lps) == len(ids) + 2 and lps[len(ids)] == pytest.approx(nxt_lp, abs=2e-2)
+
+
+BAD = [  # (route, body or raw text, status, words the message must contain)
+    ("/v1/chat/completions", "{not json", 400, "not valid JSON"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400,
+     "temperature"),
+    ("/v1/chat/completions", {"model": EMBEDDED_MODEL_NAME}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": MAX_MODEL_LEN}, 400,
+     "max_model_len"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "gpt-4"}, 404, "gpt-4"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 1000}, 400, "n=1000"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 1.5}, 400, "top_p"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+     400, "tool"),
+    ("/v1/completions", {"prompt": "x " * (2 * MAX_MODEL_LEN)}, 400, "max_model_len"),
+    ("/v1/completions", {"prompt": [[1, 2], [3, 10 ** 7]]}, 400, "prompt 1"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {}, 400, "prompt"),
+]
+
+
+@pytest.mark.parametrize("route,body,status,words", BAD, ids=[f"{b[2]}-{b[3]}" for b in BAD])
+def test_bad_input_is_rejected_and_server_keeps_serving(server, client, route, body, status, words):
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(server["url"] + route, content=content, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert words in err["message"] and err["code"] == status and err["type"]
+    ok = client.completions.create(model=EMBEDDED_MODEL_NAME, prompt="still there?", max_tokens=2)
+    assert ok.usage.completion_tokens == 2
+
+
+def test_unknown_fields_are_ignored(client):
+    r = client.chat.completions.create(model=EMBEDDED_MODEL_NAME, messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=2, extra_body={"some_vendor_field": {"a": 1}, "nvext": {}})
+    assert r.usage.completion_tokens == 2
+
+
+def test_64_concurrent_streams_equal_alone_runs(server, client):
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(10, 3000, int(rng.integers(3, 200)))] for _ in range(64)]
+    max_tokens = [int(m) for m in rng.integers(4, 24, 64)]
+
+    def kw(i):
+        return {"model": EMBEDDED_MODEL_NAME, "prompt": prompts[i], "max_tokens": max_tokens[i], "temperature": 0,
+                "extra_body": {"ignore_eos": True}}
+    alone = [client.completions.create(**kw(i)).choices[0].text for i in range(64)]
+    rss_before = _rss_mb(server["proc"].pid)
+
+    async def run():
+        aclient = openai.AsyncOpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0)
+
+        async def one(i):
+            text, ids, finish, tokens = "", set(), None, 0
+            async for c in await aclient.completions.create(**kw(i), stream=True,
+                                                            stream_options={"include_usage": True}):
+                ids.add(c.id)
+                if c.choices:
+                    text += c.choices[0].text
+                    finish = c.choices[0].finish_reason or finish
+                if c.usage is not None:
+                    tokens = c.usage.completion_tokens
+            return text, ids, finish, tokens
+        out = await asyncio.gather(*(one(i) for i in range(64)))
+        await aclient.close()
+        return out
+    out = asyncio.run(run())
+    assert [o[0] for o in out] == alone
+    assert all(o[2] == "length" and o[3] == m for o, m in zip(out, max_tokens))
+    assert all(len(o[1]) == 1 for o in out) and len({next(iter(o[1])) for o in out}) == 64  # one id each
+    m = metrics(server["url"])
+    assert metric(m, "ernie_jax:num_requests_running") == 0 and metric(m, "ernie_jax:num_requests_waiting") == 0
+    assert metric(m, "ernie_jax:kv_cache_usage_perc") == 0  # every page is back, in both pools
+    assert _rss_mb(server["proc"].pid) - rss_before < 300, "host memory grew during the burst"
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1)) / 1024
+
+
+def _wait_idle(url: str, timeout: float = 30) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        m = metrics(url)
+        if metric(m, "ernie_jax:num_requests_running") == 0 and metric(m, "ernie_jax:kv_cache_usage_perc") == 0:
+            return m
+        time.sleep(0.2)
+    raise AssertionError(f"requests still running after {timeout}s: {m}")
+
+
+def test_client_disconnect_aborts_and_frees_pages(server):
+    url = server["url"]
+    aborted = metric(metrics(url), "ernie_jax:requests_total", outcome="abort")
+    body = {"prompt": "disconnect me", "max_tokens": MAX_MODEL_LEN - 50, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= 4:
+                break  # closing the connection mid-stream
+    _wait_idle(url)
+    try:  # a non-streaming request whose client gives up
+        httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=1.0)
+    except httpx.TimeoutException:
+        pass
+    m = _wait_idle(url)
+    assert metric(m, "ernie_jax:requests_total", outcome="abort") == aborted + 2
+
+
+def test_full_queue_answers_429_and_keeps_serving(server, client):
+    async def burst():
+        async with httpx.AsyncClient(base_url=server["url"], timeout=120) as h:
+            rs = await asyncio.gather(*(h.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 20,
+                                                                         "ignore_eos": True}) for _ in range(120)))
+        return [r.status_code for r in rs], [r.json() for r in rs if r.status_code == 429]
+    codes, errors = asyncio.run(burst())
+    assert set(codes) == {200, 429} and codes.count(200) >= 64  # the queue limit, not fewer, was admitted
+    assert "busy" in errors[0]["error"]["message"]
+    _wait_idle(server["url"])
+    assert client.completions.create(model=EMBEDDED_MODEL_NAME, prompt="after", max_tokens=2).usage
+    assert metric(metrics(server["url"]), "ernie_jax:requests_total", outcome="rejected_busy") == codes.count(429)
+
+
+def test_metrics(server):
+    m = metrics(server["url"])
+    for name in ("ernie_jax:time_to_first_token_seconds_count", "ernie_jax:time_per_output_token_seconds_count",
+                 "ernie_jax:e2e_request_latency_seconds_count", "ernie_jax:request_queue_time_seconds_count",
+                 "ernie_jax:generation_tokens_total"):
+        assert metric(m, name) > 0, name
+    assert metric(m, "ernie_jax:requests_total", outcome="length") > 64
+    assert metric(m, "ernie_jax:requests_total", outcome="rejected_invalid") >= len(BAD)
+    layers = {re.search(r'layer="(\d+)"', k).group(1) for k in m if k.startswith("ernie_jax:moe_expert_tokens")}
+    assert layers == {"1", "2", "3"}  # the embedded model's MoE layers
+    # every routed token is counted once per MoE layer and chosen expert (top-2)
+    per_layer = [metric(m, "ernie_jax:moe_expert_tokens_total", layer=layer) for layer in ("1", "2", "3")]
+    assert per_layer[0] == per_layer[1] == per_layer[2] > 0 and per_layer[0] % 2 == 0
+    assert metric(m, "ernie_jax:submesh_busy_seconds_total", submesh="prefill") > 0
+    assert metric(m, "ernie_jax:submesh_busy_seconds_total", submesh="decode") > 0
+    assert metric(m, "ernie_jax:kv_transfer_bytes_total") > 0
+
+
+def test_serve_benchmark_against_the_server(server, tmp_path):
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "ernie_jax.bench", "serve", "--url", server["url"], "--num-prompts",
+                        "8", "--concurrency", "4", "--input-len", "32", "--output-len", "8", "--vocab-size", "3000",
+                        "--goodput", "ttft:60000", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    assert res["completed"] == 8 and res["failed"] == 0 and res["total_output_tokens"] == 64
+
+
+def test_sigterm_drains_requests_in_flight(server):
+    """Last: SIGTERM while a stream runs; the stream still completes, then the process exits 0."""
+    body = {"prompt": "drain", "max_tokens": 60, "stream": True, "ignore_eos": True}
+    finish = None
+    with httpx.stream("POST", server["url"] + "/v1/completions", json=body, timeout=120) as r:
+        for i, line in enumerate(r.iter_lines()):
+            if i == 2:
+                server["proc"].send_signal(signal.SIGTERM)
+            if line.startswith("data: {"):
+                choices = json.loads(line[6:])["choices"]
+                finish = choices[0]["finish_reason"] if choices else finish
+    assert finish == "length"
+    assert server["proc"].wait(timeout=60) == 0
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(server["url"] + "/health", timeout=2)
