@@ -11,7 +11,7 @@ $(BIN)/activate: pyproject.toml
 
 .PHONY: serve test test-all
 serve: $(BIN)/activate
-	$(BIN)/python -m ernie_jax.generate --model tiny --prompt-token-ids 1,300,42,7 --max-tokens 16
+	$(BIN)/python -m ernie_jax.serve --mesh 8
 
 test: $(BIN)/activate
 	$(BIN)/python -m pytest -q

@@ -41,6 +41,7 @@ class LLM:
     max_num_seqs: the decode batch limit; max_model_len: prompt + output limit (default min(model's, 2048)).
     compilation_cache_dir: JAX's persistent compilation cache (None: off; an already configured one wins).
     batch_invariant: decode at one batch shape, so a request's tokens never depend on its batch (Engine).
+    background_compile: return when one bucket per program is compiled; the rest compile behind (Engine).
     """
 
     def __init__(self, model: str | ErnieForCausalLM, *, dtype: str = "bfloat16", seed: int = 0,
@@ -48,7 +49,8 @@ class LLM:
                  fp8_compute: str = "w8a8", kv_cache_dtype: str = "auto", mesh: int | str | None = None,
                  prefill_devices: int | None = None, disaggregate: bool = True, sharding: str = "tp_ep",
                  page_size: int = 16, num_pages: int | None = None, prefill_chunk: int = 512,
-                 compilation_cache_dir: str | None = "~/.cache/ernie_jax/xla", batch_invariant: bool = False):
+                 compilation_cache_dir: str | None = "~/.cache/ernie_jax/xla", batch_invariant: bool = False,
+                 background_compile: bool = False):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
         jdtype = _DTYPES[dtype]
@@ -83,7 +85,8 @@ class LLM:
         self.engine = Engine(decode_model, prefill_model=prefill_model, max_num_seqs=max_num_seqs,
                              max_model_len=self.max_model_len, page_size=page_size, num_pages=num_pages,
                              prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype, eos_token_ids=frozenset(eos),
-                             tokenizer=self.tokenizer, seed=seed, batch_invariant=batch_invariant)
+                             tokenizer=self.tokenizer, seed=seed, batch_invariant=batch_invariant,
+                             background_compile=background_compile)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -55,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m ernie_jax.bench serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="http://127.0.0.1:8180", help="server base URL")
+    ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                    help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
     ap.add_argument("--model", default=None, help="default: the first id from GET /v1/models")
     ap.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     ap.add_argument("--num-prompts", type=int, default=100)
@@ -211,7 +214,8 @@ async def run_benchmark(args) -> dict:
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
     # No overall deadline (long generations are legitimate), but an unreachable server fails fast.
     timeout = httpx.Timeout(None, connect=10.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
         try:
             model = args.model or await _first_model(client, base)
         except (httpx.HTTPError, httpx.InvalidURL) as e:

@@ -52,9 +52,9 @@ def test_pd_programs_run_on_their_submeshes_and_pages_move_bit_identically():
     engine = llm("pd").engine
     devices = jax.devices()
     assert set(engine.prefiller.devices) == set(devices[:4]) and set(engine.decoder.devices) == set(devices[4:])
-    for compiled in engine.prefiller._prefill.values():
+    for compiled in engine.prefiller.executables("prefill"):
         assert {d for s in jax.tree.leaves(compiled.input_shardings) for d in s.device_set} == set(devices[:4])
-    for compiled in engine.decoder._decode.values():
+    for compiled in engine.decoder.executables("decode"):
         assert {d for s in jax.tree.leaves(compiled.input_shardings) for d in s.device_set} == set(devices[4:])
     rid = engine.add_request(list(range(5, 40)), SamplingParams(temperature=0, max_tokens=4))
     req = engine.requests[rid]

@@ -24,6 +24,8 @@ from ernie_jax.assets import EMBEDDED_MODEL_DIR, EMBEDDED_MODEL_NAME
 from ernie_jax.tokenizer import Tokenizer
 
 MAX_MODEL_LEN = 512
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -43,7 +45,7 @@ def server():
     proc = subprocess.Popen(
         [sys.executable, "-m", "ernie_jax.serve", "--mesh", "8", "--port", str(port), "--max-model-len",
          str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--max-queue-len", "64",
-         "--batch-invariant",
+         "--batch-invariant", "--api-key", KEY,
          "--compilation-cache-dir", cache], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600
@@ -67,7 +69,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=server["url"] + "/v1", api_key=KEY, max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +162,7 @@ def test_seeds_reproducible(client):
 
 def test_streaming_async_client(server):
     async def run():
-        aclient = openai.AsyncOpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0)
+        aclient = openai.AsyncOpenAI(base_url=server["url"] + "/v1", api_key=KEY, max_retries=0)
         messages = [{"role": "user", "content": "stream, please"}]
         full = await aclient.chat.completions.create(model=EMBEDDED_MODEL_NAME, messages=messages, max_tokens=10,
                                                      temperature=0)
@@ -248,12 +250,20 @@ BAD = [  # (route, body or raw text, status, words the message must contain)
 @pytest.mark.parametrize("route,body,status,words", BAD, ids=[f"{b[2]}-{b[3]}" for b in BAD])
 def test_bad_input_is_rejected_and_server_keeps_serving(server, client, route, body, status, words):
     content = body if isinstance(body, str) else json.dumps(body)
-    r = httpx.post(server["url"] + route, content=content, headers={"content-type": "application/json"})
+    r = httpx.post(server["url"] + route, content=content, headers={"content-type": "application/json", **AUTH})
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert words in err["message"] and err["code"] == status and err["type"]
     ok = client.completions.create(model=EMBEDDED_MODEL_NAME, prompt="still there?", max_tokens=2)
     assert ok.usage.completion_tokens == 2
+
+
+def test_api_key_is_required_on_v1_routes(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.get(server["url"] + "/v1/models", headers=headers)
+        assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+    assert httpx.get(server["url"] + "/health").status_code == 200  # probes and scrapes stay open
+    assert httpx.get(server["url"] + "/metrics").status_code == 200
 
 
 def test_unknown_fields_are_ignored(client):
@@ -274,7 +284,7 @@ def test_64_concurrent_streams_equal_alone_runs(server, client):
     rss_before = _rss_mb(server["proc"].pid)
 
     async def run():
-        aclient = openai.AsyncOpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0)
+        aclient = openai.AsyncOpenAI(base_url=server["url"] + "/v1", api_key=KEY, max_retries=0)
 
         async def one(i):
             text, ids, finish, tokens = "", set(), None, 0
@@ -319,13 +329,13 @@ def test_client_disconnect_aborts_and_frees_pages(server):
     url = server["url"]
     aborted = metric(metrics(url), "ernie_jax:requests_total", outcome="abort")
     body = {"prompt": "disconnect me", "max_tokens": MAX_MODEL_LEN - 50, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", url + "/v1/completions", json=body) as r:
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers=AUTH) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i >= 4:
                 break  # closing the connection mid-stream
     _wait_idle(url)
     try:  # a non-streaming request whose client gives up
-        httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=1.0)
+        httpx.post(url + "/v1/completions", json={**body, "stream": False}, headers=AUTH, timeout=1.0)
     except httpx.TimeoutException:
         pass
     m = _wait_idle(url)
@@ -334,7 +344,7 @@ def test_client_disconnect_aborts_and_frees_pages(server):
 
 def test_full_queue_answers_429_and_keeps_serving(server, client):
     async def burst():
-        async with httpx.AsyncClient(base_url=server["url"], timeout=120) as h:
+        async with httpx.AsyncClient(base_url=server["url"], headers=AUTH, timeout=120) as h:
             rs = await asyncio.gather(*(h.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 20,
                                                                          "ignore_eos": True}) for _ in range(120)))
         return [r.status_code for r in rs], [r.json() for r in rs if r.status_code == 429]
@@ -366,7 +376,8 @@ def test_metrics(server):
 
 def test_serve_benchmark_against_the_server(server, tmp_path):
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "ernie_jax.bench", "serve", "--url", server["url"], "--num-prompts",
+    r = subprocess.run([sys.executable, "-m", "ernie_jax.bench", "serve", "--url", server["url"], "--api-key", KEY,
+                        "--num-prompts",
                         "8", "--concurrency", "4", "--input-len", "32", "--output-len", "8", "--vocab-size", "3000",
                         "--goodput", "ttft:60000", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
@@ -379,7 +390,7 @@ def test_sigterm_drains_requests_in_flight(server):
     """Last: SIGTERM while a stream runs; the stream still completes, then the process exits 0."""
     body = {"prompt": "drain", "max_tokens": 60, "stream": True, "ignore_eos": True}
     finish = None
-    with httpx.stream("POST", server["url"] + "/v1/completions", json=body, timeout=120) as r:
+    with httpx.stream("POST", server["url"] + "/v1/completions", json=body, headers=AUTH, timeout=120) as r:
         for i, line in enumerate(r.iter_lines()):
             if i == 2:
                 server["proc"].send_signal(signal.SIGTERM)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 import time
 from typing import Any
 
@@ -82,13 +83,15 @@ class Engine:
                  max_num_seqs: int = 8, max_model_len: int = 2048, page_size: int = 16,
                  num_pages: int | None = None, prefill_chunk: int = 512, kv_cache_dtype: str = "auto",
                  eos_token_ids: frozenset[int] = frozenset(), tokenizer=None, seed: int = 0,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, background_compile: bool = False):
         """model: the decode-side model (placed on its mesh). prefill_model: the same weights on a disjoint
         mesh for disaggregated prefill, or None to prefill with `model` (colocated).
         batch_invariant: decode every batch at one shape (max_num_seqs rows), so a request's tokens do not
         depend on what else is running. Matmul kernels pick their reduction order by shape, so with several
         batch buckets a near-tie in greedy decoding can resolve differently alone and in a batch; prefill
-        is per request and always invariant."""
+        is per request and always invariant.
+        background_compile: return once the largest bucket of each program compiled; the others compile
+        in the background (a server is up sooner; small batches run padded until their bucket is ready)."""
         self.cfg = model.config
         self.max_num_seqs, self.max_model_len, self.page_size = max_num_seqs, max_model_len, page_size
         self.max_pages = -(-max_model_len // page_size)
@@ -112,6 +115,13 @@ class Engine:
             self.transfer = PageTransfer(self.prefiller, self.decoder)
         else:
             self.prefiller, self.prefill_allocator, self.transfer = self.decoder, None, None
+        programs = [self.decoder] + ([self.prefiller] if self.disaggregated else [])
+        if background_compile:  # one thread, so serving keeps a core
+            threading.Thread(target=lambda: [p.compile_rest(workers=1) for p in programs], daemon=True,
+                             name="ernie-compile").start()
+        else:
+            for p in programs:
+                p.compile_rest()
         self.startup_seconds = time.perf_counter() - t0
         self.waiting: list[Request] = []
         self.prefilling: list[Request] = []
@@ -274,7 +284,7 @@ class Engine:
             req = self.prefilling[0]
             start = req.num_prefilled
             chunk = req.prompt_ids[start:start + self.prefill_chunk]
-            T = next(b for b in self.prefiller.prefill_buckets if b >= len(chunk))
+            T = self.prefiller.bucket("prefill", len(chunk))
             ids = np.zeros((1, T), np.int32)
             ids[0, :len(chunk)] = chunk
             positions = (start + np.arange(T, dtype=np.int32))[None]
@@ -295,7 +305,7 @@ class Engine:
                 pending.append(("prefill", [req], self.prefiller.sample(logits, arrays, nlp), t0))
         if self.running:
             reqs = list(self.running)
-            B = next(b for b in self.decoder.decode_buckets if b >= len(reqs))
+            B = self.decoder.bucket("decode", len(reqs))
             pad = B - len(reqs)
             ids = np.asarray([[r.output_ids[-1]] for r in reqs] + [[0]] * pad, np.int32)
             positions = np.asarray([[len(r.prompt_ids) + len(r.output_ids) - 1] for r in reqs] + [[0]] * pad, np.int32)

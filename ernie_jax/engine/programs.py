@@ -5,7 +5,9 @@ ahead-of-time compiled executable per bucket: prefill per chunk length T (a [1,T
 pool through the request's block table, logits at the chunk's last real token), decode per batch size B
 (one token for each of B sequences). Every executable donates the pool and has explicit input and output
 shardings, so the pool is updated in place and never leaves its devices. `compile_report` lists buckets
-and seconds (programs compile in parallel, so the seconds overlap). A prefill variant that also returns
+and seconds (programs compile in parallel, so the seconds overlap). The constructor compiles the largest
+bucket of each kind, which serves any request; `compile_rest` the others, which the engine uses from the
+moment each is ready (so they can compile behind a serving engine). A prefill variant that also returns
 prompt logprobs compiles on first use. Every program also counts the tokens routed to each expert of each
 MoE layer (the server's load metrics). The page transfer between two pools (prefill/decode
 disaggregation) lives here too.
@@ -15,9 +17,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import logging
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +32,8 @@ from ernie_jax.model.ernie import ErnieForCausalLM
 from ernie_jax.model.forward import forward
 from ernie_jax.model.kv_cache import KV_CACHE_DTYPES, KVCache
 from ernie_jax.sampling import MAX_LOGPROBS, sample
+
+log = logging.getLogger("ernie_jax.engine")
 
 
 def _step(weights, input_ids, positions, cache, logit_positions, block_tables, *, cfg, plan):
@@ -71,16 +76,17 @@ def buckets(limit: int, start: int = 1) -> list[int]:
     return out + [limit]
 
 
-def compile_all(jobs: dict[Any, Any]) -> dict[Any, tuple[Any, float]]:
-    """Compile lowered programs (or run warm-up thunks) on a thread pool: XLA compiles without the GIL, so
-    start-up uses every core. Returns {key: (result, seconds)}."""
-    def run(job):
+def compile_all(jobs: dict[Any, Callable[[], Any]], on_done: Callable[[Any, Any, float], None],
+                workers: int | None = None) -> None:
+    """Run compile jobs on a thread pool (XLA compiles without the GIL, so start-up uses every core) and
+    hand each result to on_done(key, result, seconds) as it finishes."""
+    def timed(job):
         t0 = time.perf_counter()
-        result = job.compile() if hasattr(job, "compile") else job()
-        return result, time.perf_counter() - t0
-    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        futures = {key: pool.submit(run, job) for key, job in jobs.items()}
-        return {key: f.result() for key, f in futures.items()}
+        return job(), time.perf_counter() - t0
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
+        futures = {pool.submit(timed, job): key for key, job in jobs.items()}
+        for f in concurrent.futures.as_completed(futures):
+            on_done(futures[f], *f.result())
 
 
 class ModelPrograms:
@@ -89,17 +95,20 @@ class ModelPrograms:
         self.model, self.cfg, self.plan, self.name = model, model.config, model.plan, name
         self.weights = model.weights()
         self.page_size, self.max_pages = page_size, max_pages_per_seq
-        dtype = KV_CACHE_DTYPES[kv_cache_dtype] or model.dtype
-        cache = KVCache.create(self.cfg, num_pages, page_size, dtype)
         if self.plan is not None:
             self.devices = list(self.plan.mesh.devices.flat)
-            self.cache_shardings = cache.shardings(self.plan)
             self.replicated = NamedSharding(self.plan.mesh, P())
         else:
-            device = jax.tree.leaves(self.weights)[0].devices().pop()
-            self.devices = [device]
-            self.replicated = SingleDeviceSharding(device)
-            self.cache_shardings = jax.tree.map(lambda _: self.replicated, cache)
+            self.devices = [jax.tree.leaves(self.weights)[0].devices().pop()]
+            self.replicated = SingleDeviceSharding(self.devices[0])
+        dtype = KV_CACHE_DTYPES[kv_cache_dtype] or model.dtype
+        if kv_cache_dtype == "auto" and dtype == jnp.bfloat16 and self.devices[0].platform == "cpu":
+            # XLA:CPU has no bf16 scatter: it upcasts the whole pool to f32 and back around each KV write,
+            # a full copy per layer per step. An f32 pool is written in place.
+            dtype = jnp.float32
+        cache = KVCache.create(self.cfg, num_pages, page_size, dtype)
+        self.cache_shardings = cache.shardings(self.plan) if self.plan is not None else \
+            jax.tree.map(lambda _: self.replicated, cache)
         self.cache = jax.device_put(cache, self.cache_shardings)
         self.prefill_buckets, self.decode_buckets = prefill_buckets, decode_buckets
         self.report: list[tuple[str, int, float]] = []
@@ -113,14 +122,45 @@ class ModelPrograms:
                                   donate_argnums=(3,), in_shardings=ins + (rep,),
                                   out_shardings=(rep, self.cache_shardings, rep, rep))
         self._score: dict[int, Any] = {}  # scoring prefill per chunk length, compiled on first use
-        jobs = {("prefill", T): self._lower(self._jit, 1, T) for T in prefill_buckets}
-        jobs.update({("decode", B): self._lower(self._jit, B, 1) for B in decode_buckets})
-        samplers = sorted(({1} if prefill_buckets else set()) | set(decode_buckets))
-        jobs.update({("sampler", B): functools.partial(self._warm_sampler, B) for B in samplers})
-        done = compile_all(jobs)
-        self._prefill = {T: done["prefill", T][0] for T in prefill_buckets}
-        self._decode = {B: done["decode", B][0] for B in decode_buckets}
-        self.report += [(f"{self.name} {kind}", size, sec) for (kind, size), (_, sec) in done.items()]
+        self._programs: dict[tuple[str, int], Any] = {}
+        self.ready: dict[str, list[int]] = {"prefill": [], "decode": []}  # compiled buckets, ascending
+        lowered = {("prefill", T): self._lower(self._jit, 1, T) for T in prefill_buckets}
+        lowered.update({("decode", B): self._lower(self._jit, B, 1) for B in decode_buckets})
+
+        def job(key):
+            exe = lowered[key].compile()
+            self._warm_sampler(1 if key[0] == "prefill" else key[1])
+            return exe
+        # The largest bucket of each kind serves any request (padded), so those compile first; the rest
+        # compile in compile_rest(), now or behind a serving engine.
+        largest = {("prefill", max(prefill_buckets))} if prefill_buckets else set()
+        largest |= {("decode", max(decode_buckets))} if decode_buckets else set()
+        self.pending = len(lowered)  # buckets not compiled yet
+        compile_all({k: functools.partial(job, k) for k in largest}, self._publish)
+        self._rest = {k: functools.partial(job, k) for k in lowered if k not in largest}
+
+    def compile_rest(self, workers: int | None = None) -> None:
+        """Compile the buckets the constructor left (all but the largest of each kind)."""
+        jobs, self._rest = self._rest, {}
+        if not jobs:
+            return
+        t0 = time.perf_counter()
+        compile_all(jobs, self._publish, workers)
+        log.info("%s: %d more buckets compiled in %.1f s", self.name, len(jobs), time.perf_counter() - t0)
+
+    def _publish(self, key: tuple[str, int], exe, seconds: float) -> None:
+        kind, size = key
+        self._programs[key] = exe
+        self.ready[kind] = sorted(self.ready[kind] + [size])  # a new list: the engine thread reads it unlocked
+        self.pending -= 1
+        self.report.append((f"{self.name} {kind}", size, seconds))
+
+    def bucket(self, kind: str, n: int) -> int:
+        """The smallest compiled bucket of `kind` that holds n tokens (prefill) or sequences (decode)."""
+        return next(b for b in self.ready[kind] if b >= n)
+
+    def executables(self, kind: str) -> list:
+        return [exe for (k, _), exe in self._programs.items() if k == kind]
 
     def _lower(self, jitted, B: int, T: int, extra: tuple = ()):
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.replicated)  # noqa: E731
@@ -144,7 +184,7 @@ class ModelPrograms:
     def run(self, kind: str, ids, positions, logit_positions, block_tables) -> tuple[jax.Array, jax.Array]:
         """One prefill chunk or decode step; returns (logits, expert token counts), both on device."""
         B, T = ids.shape
-        fn = self._prefill[T] if kind == "prefill" else self._decode[B]
+        fn = self._programs[kind, T if kind == "prefill" else B]
         logits, self.cache, counts = fn(self.weights, self.put(ids), self.put(positions), self.cache,
                                         self.put(logit_positions), self.put(block_tables))
         return logits, counts
@@ -154,9 +194,9 @@ class ModelPrograms:
         top ids [1,T,MAX_LOGPROBS], top logprobs)). The program for a chunk length compiles on first use."""
         T = ids.shape[1]
         if T not in self._score:
-            (fn, sec), = compile_all({0: self._lower(self._score_jit, 1, T, extra=((1, T),))}).values()
-            self._score[T] = fn
-            self.report.append((f"{self.name} prefill+prompt_logprobs", T, sec))
+            t0 = time.perf_counter()
+            self._score[T] = self._lower(self._score_jit, 1, T, extra=((1, T),)).compile()
+            self.report.append((f"{self.name} prefill+prompt_logprobs", T, time.perf_counter() - t0))
         logits, self.cache, counts, scores = self._score[T](
             self.weights, self.put(ids), self.put(positions), self.cache, self.put(logit_positions),
             self.put(block_tables), self.put(targets))

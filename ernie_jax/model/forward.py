@@ -52,9 +52,9 @@ def attention_block(x, w, cfg: ErnieConfig, positions, seg_cache=None, layer=Non
     else:
         seg_cache = kvc.write(seg_cache, layer, k, v, positions, block_tables, (w.get("k_scale"), w.get("v_scale")))
         # The paged kernel reads the pages in place (prefill chunks and decode); per device under a mesh.
-        scale = (lambda n: seg_cache[n][layer]) if "k_scale" in seg_cache else (lambda n: None)
-        args = (q, seg_cache["k"][layer], seg_cache["v"][layer], scale("k_scale"), scale("v_scale"), block_tables,
-                positions)
+        pool, tables = kvc.layer_pages(seg_cache, layer, block_tables)
+        scale = pool if "k_scale" in seg_cache else (lambda n: None)
+        args = (q, pool("k"), pool("v"), scale("k_scale"), scale("v_scale"), tables, positions)
         out = None
         if plan is not None:
             out = paged_attention_sharded(*args, plan)
@@ -63,7 +63,9 @@ def attention_block(x, w, cfg: ErnieConfig, positions, seg_cache=None, layer=Non
         if out is not None:
             out = out.reshape(B, T, -1)
         else:
-            ck, cv = kvc.read(seg_cache, layer, block_tables, q.dtype)
+            # Pinning the gathered slots to the cache's own head layout keeps the partitioner from
+            # re-laying out the whole page pool to match the query heads' split (a pool copy per layer).
+            ck, cv = (_constrain(x, plan, KV_HEADS) for x in kvc.read(seg_cache, layer, block_tables, q.dtype))
             slots = jnp.broadcast_to(jnp.arange(ck.shape[1]), (B, ck.shape[1]))
             out = attention(q, ck, cv, positions, slots)
     return linear(out, w["o"], plan), seg_cache

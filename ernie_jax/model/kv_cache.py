@@ -17,6 +17,7 @@ then written into the same slots: one read path serves both. Writes saturate at 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -110,11 +111,23 @@ def write(seg: dict[str, jax.Array], layer: jax.Array, k: jax.Array, v: jax.Arra
     return out
 
 
+def layer_pages(seg: dict[str, jax.Array], layer: jax.Array, block_tables: jax.Array
+                ) -> tuple[Callable[[str], jax.Array], jax.Array]:
+    """One layer's pages without slicing them out: (name -> the segment's pool with layers and pages
+    flattened [L*P, page, ...], the block tables offset to that layer's pages). `seg["k"][layer]` would
+    copy the layer's whole pool on every layer of every step."""
+    num_pages = seg["k"].shape[1]
+    flat = lambda name: seg[name].reshape(-1, *seg[name].shape[2:])  # noqa: E731 -- a bitcast, no copy
+    return flat, block_tables + layer * num_pages
+
+
 def read(seg: dict[str, jax.Array], layer: jax.Array, block_tables: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """The sequences' slots of segment layer `layer` as (k, v) [B, n*page, K, D] in `dtype`; slot j holds
     position j."""
+    pool, tables = layer_pages(seg, layer, block_tables)
+
     def gather(name):
-        x = seg[name][layer][block_tables]  # [B, n, page, ...]
+        x = pool(name)[tables]  # [B, n, page, ...]
         return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
     if "k_scale" not in seg:
         return gather("k").astype(dtype), gather("v").astype(dtype)

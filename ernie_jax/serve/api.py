@@ -44,6 +44,7 @@ class Server:
     metrics: ServerMetrics
     max_queue_len: int = 256
     max_n: int = 16
+    api_key: str | None = None  # when set, /v1 routes need "Authorization: Bearer <key>"
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
 
@@ -56,6 +57,13 @@ class _Prompt:
 def create_app(server: Server) -> FastAPI:
     app = FastAPI(title="ernie_jax", docs_url=None, redoc_url=None)
     app.state.server = server
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if server.api_key and request.url.path.startswith("/v1") and \
+                request.headers.get("authorization") != f"Bearer {server.api_key}":
+            return _error(server, "missing or wrong API key (Authorization: Bearer <key>)", 401)
+        return await call_next(request)
 
     @app.exception_handler(ProtocolError)
     async def _protocol_error(request: Request, e: ProtocolError):

@@ -35,6 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       help="run prefill and decode on the whole mesh (colocated) instead of on disjoint submeshes")
     a("--sharding", default="tp_ep", choices=["tp_ep", "tp", "dp_attn_ep"])
     a("--max-model-len", type=int, default=None, help="prompt + output tokens (default: min(model's, 2048))")
+    a("--background-compile", action=argparse.BooleanOptionalAction, default=True,
+      help="serve once the largest batch and prompt buckets are compiled; compile the others while serving")
     a("--max-num-seqs", type=int, default=16, help="sequences decoded together")
     a("--max-num-batched-tokens", type=int, default=512, help="prefill chunk length")
     a("--batch-invariant", action="store_true", help="decode at one batch shape, so a request's output never "
@@ -46,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--num-gpu-blocks-override", type=int, default=None, help="KV pages in the decode pool")
     a("--max-queue-len", type=int, default=256, help="waiting requests beyond which new ones get HTTP 429")
     a("--max-n", type=int, default=16, help="the largest n (samples per prompt) a request may ask for")
+    a("--api-key", default=os.environ.get("ERNIE_JAX_API_KEY"),
+      help="require 'Authorization: Bearer KEY' on /v1 routes (default: $ERNIE_JAX_API_KEY; none: open)")
     a("--seed", type=int, default=0)
     a("--compilation-cache-dir", default="~/.cache/ernie_jax/xla", help="JAX persistent compilation cache ('' = off)")
     a("--shutdown-timeout", type=float, default=300.0, help="seconds to let requests finish after SIGTERM")
@@ -100,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
               mesh=args.mesh if n_devices > 1 else None, prefill_devices=args.prefill_devices,
               disaggregate=args.disaggregate, sharding=args.sharding, page_size=args.block_size,
               num_pages=args.num_gpu_blocks_override, prefill_chunk=args.max_num_batched_tokens,
-              compilation_cache_dir=args.compilation_cache_dir or None, batch_invariant=args.batch_invariant)
+              compilation_cache_dir=args.compilation_cache_dir or None, batch_invariant=args.batch_invariant,
+              background_compile=args.background_compile)
     if llm.tokenizer is None:
         raise SystemExit(f"{model_dir} has no tokenizer.model; the server needs one to render chats and text")
     _log_startup(llm, model_dir, args)
@@ -112,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     server = Server(async_engine, llm.tokenizer, name,
                     {k: getattr(defaults, k) for k in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                                                        "frequency_penalty", "repetition_penalty")},
-                    metrics, max_queue_len=args.max_queue_len, max_n=args.max_n)
+                    metrics, max_queue_len=args.max_queue_len, max_n=args.max_n, api_key=args.api_key)
     app = create_app(server)
 
     class _Uvicorn(uvicorn.Server):
@@ -150,10 +155,11 @@ def _log_startup(llm, model_dir: str, args) -> None:
         log.info("colocated: prefill and decode on devices [%s] (%s)", ids(engine.decoder),
                  engine.decoder.devices[0].platform)
     report = engine.compile_report
-    log.info("compiled %d programs in %.1f s (%s); max_model_len %d, max_num_seqs %d, %d KV pages of %d tokens",
-             len(report), engine.startup_seconds,
-             ", ".join(f"{name} {size}: {sec:.1f}s" for name, size, sec in report),
-             engine.max_model_len, engine.max_num_seqs, engine.allocator.capacity, engine.page_size)
+    pending = engine.decoder.pending + (engine.prefiller.pending if engine.disaggregated else 0)
+    log.info("compiled %d programs in %.1f s (%s)%s; max_model_len %d, max_num_seqs %d, %d KV pages of %d tokens",
+             len(report), engine.startup_seconds, ", ".join(f"{name} {size}: {sec:.1f}s" for name, size, sec in report),
+             f", {pending} more compiling in the background" if pending else "", engine.max_model_len,
+             engine.max_num_seqs, engine.allocator.capacity, engine.page_size)
 
 
 def _leaves(model):

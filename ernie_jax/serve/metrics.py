@@ -16,7 +16,8 @@ from ernie_jax.engine.engine import Engine, Request
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _TPOT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
-_OUTCOME = {400: "rejected_invalid", 404: "rejected_invalid", 413: "rejected_invalid", 429: "rejected_busy"}
+_OUTCOME = {400: "rejected_invalid", 401: "rejected_unauthorized", 404: "rejected_invalid", 413: "rejected_invalid",
+            429: "rejected_busy"}
 
 
 class ServerMetrics:

@@ -151,6 +151,6 @@ class ChatCompletionRequest(_Sampling):
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict:
-    kind = {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError", 429: "RateLimitError",
-            503: "ServiceUnavailableError"}.get(status, "InternalServerError")
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "BadRequestError",
+            429: "RateLimitError", 503: "ServiceUnavailableError"}.get(status, "InternalServerError")
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
