@@ -212,6 +212,9 @@ def test_echo_prompt_logprobs(client, tokenizer):
     assert all(x <= 0 for x in lp.token_logprobs[1:]) and all(len(t) <= 2 for t in lp.top_logprobs[1:])
     assert r.choices[0].text == tokenizer.decode(ids) and r.usage.completion_tokens == 0
     assert len(r.choices[1].logprobs.tokens) == 5
+    streamed = list(client.completions.create(model=EMBEDDED_MODEL_NAME, prompt=ids, max_tokens=0, echo=True,
+                                              stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == tokenizer.decode(ids)  # the prompt, nothing generated
     # the first prompt is a prefix of the second's scoring: same logprobs for shared positions
     assert np.allclose(lp.token_logprobs[1:5], r.choices[1].logprobs.token_logprobs[1:5], atol=2e-2)
     # scoring prompt + greedy token gives that token the logprob generation reported

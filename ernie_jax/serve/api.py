@@ -112,7 +112,8 @@ def create_app(server: Server) -> FastAPI:
         params = body.to_params(server.defaults)
         prompts = [_Prompt(p, server.tokenizer.encode(p)) if isinstance(p, str)
                    else _Prompt(None, list(p)) for p in body.prompts()]
-        return await _respond(server, request, body, prompts, params, _CompletionFormat(server, body, prompts))
+        fmt = _CompletionFormat(server, body, prompts, params)
+        return await _respond(server, request, body, prompts, params, fmt)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
@@ -308,9 +309,9 @@ class _Format:
 class _CompletionFormat(_Format):
     prefix, chunk_object = "cmpl", "text_completion"
 
-    def __init__(self, server: Server, body: CompletionRequest, prompts: list[_Prompt]):
+    def __init__(self, server: Server, body: CompletionRequest, prompts: list[_Prompt], params: SamplingParams):
         super().__init__(server, body)
-        self.prompts = prompts
+        self.prompts, self.params = prompts, params
         self.echo_only = body.echo and body.max_tokens == 0  # score the prompt, generate nothing
 
     def _prompt_text(self, p: _Prompt) -> str:
@@ -354,6 +355,8 @@ class _CompletionFormat(_Format):
         return self.envelope("text_completion", choices, _usage(prompt_tokens, completion_tokens))
 
     def chunks(self, index: int, out: RequestOutput, text: str, lps: list[dict], first: bool) -> list[dict]:
+        if self.echo_only:  # the prompt alone, once
+            return [self._choice(index, out, self.params)] if out.finished else []
         if first and self.body.echo:
             text = self._prompt_text(self.prompts[index // self.body.n]) + text
         logprobs = None if self.body.logprobs is None else self._logprobs(
