@@ -109,9 +109,14 @@ class LLM:
                                                       sharding))
         return decode, prefill
 
+    @property
+    def sampling_defaults(self) -> dict:
+        """The sampling values generation_config.json sets (ERNIE: temperature 0.8, top_p 0.8)."""
+        return {k: self.generation_config[k] for k in _GEN_KEYS if k in self.generation_config}
+
     def get_default_sampling_params(self) -> SamplingParams:
-        """generation_config.json's sampling values (ERNIE: temperature 0.8, top_p 0.8), else vLLM's."""
-        return SamplingParams(**{k: self.generation_config[k] for k in _GEN_KEYS if k in self.generation_config})
+        """generation_config.json's sampling values, else vLLM's."""
+        return SamplingParams(**self.sampling_defaults)
 
     def _prompts(self, prompts, prompt_token_ids) -> list[tuple[str | None, list[int]]]:
         if prompts is not None and prompt_token_ids is not None:

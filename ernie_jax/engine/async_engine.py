@@ -9,8 +9,8 @@ stepping thread; other threads hand it work through a queue.
 from __future__ import annotations
 
 import asyncio
-import queue
 import logging
+import queue
 import threading
 from typing import AsyncIterator, Callable
 

@@ -78,6 +78,12 @@ class Request:
         return (m.finished_time - m.first_token_time) / (len(self.output_ids) - 1)
 
 
+def _logprob_entry(token: int, logprob, top_ids, top_lps, n: int) -> dict[str, Any]:
+    """One token's logprob with its top-n alternatives, as outputs carry them."""
+    return {"token": int(token), "logprob": float(logprob),
+            "top": list(zip(map(int, top_ids[:n]), map(float, top_lps[:n])))}
+
+
 class Engine:
     def __init__(self, model: ErnieForCausalLM, *, prefill_model: ErnieForCausalLM | None = None,
                  max_num_seqs: int = 8, max_model_len: int = 2048, page_size: int = 16,
@@ -257,9 +263,7 @@ class Engine:
             req.metrics.first_token_time = now
         req.output_ids.append(token)
         if req.params.logprobs is not None:
-            n = req.params.logprobs
-            req.logprobs.append({"token": token, "logprob": float(logprob),
-                                 "top": list(zip(map(int, top_ids[:n]), map(float, top_lps[:n])))})
+            req.logprobs.append(_logprob_entry(token, logprob, top_ids, top_lps, req.params.logprobs))
         if req.detokenizer is not None:
             req.text += req.detokenizer.add(token)
         n_out = len(req.output_ids)
@@ -341,10 +345,9 @@ class Engine:
         target_lp, top_ids, top_lps = (a[0] for a in scores)
         if start == 0:
             req.prompt_logprobs.append(None)  # nothing precedes the first prompt token
-        n = req.params.prompt_logprobs
         for i, token in enumerate(targets):
-            req.prompt_logprobs.append({"token": token, "logprob": float(target_lp[i]),
-                                        "top": list(zip(map(int, top_ids[i, :n]), map(float, top_lps[i, :n])))})
+            req.prompt_logprobs.append(_logprob_entry(token, target_lp[i], top_ids[i], top_lps[i],
+                                                      req.params.prompt_logprobs))
 
     def run_until_done(self, request_ids: list[str]) -> None:
         targets = [self.requests[r] for r in request_ids]

@@ -110,7 +110,6 @@ class ModelPrograms:
         self.cache_shardings = cache.shardings(self.plan) if self.plan is not None else \
             jax.tree.map(lambda _: self.replicated, cache)
         self.cache = jax.device_put(cache, self.cache_shardings)
-        self.prefill_buckets, self.decode_buckets = prefill_buckets, decode_buckets
         self.report: list[tuple[str, int, float]] = []
         w_shardings = jax.tree.map(lambda a: a.sharding, self.weights)
         rep = self.replicated

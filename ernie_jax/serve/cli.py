@@ -113,11 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = llm.engine
     metrics = ServerMetrics(engine, name)
     async_engine = AsyncEngine(engine, on_finish=metrics.on_finish)
-    defaults = llm.get_default_sampling_params()
-    server = Server(async_engine, llm.tokenizer, name,
-                    {k: getattr(defaults, k) for k in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                                                       "frequency_penalty", "repetition_penalty")},
-                    metrics, max_queue_len=args.max_queue_len, max_n=args.max_n, api_key=args.api_key)
+    server = Server(async_engine, llm.tokenizer, name, llm.sampling_defaults, metrics,
+                    max_queue_len=args.max_queue_len, max_n=args.max_n, api_key=args.api_key)
     app = create_app(server)
 
     class _Uvicorn(uvicorn.Server):
