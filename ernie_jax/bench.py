@@ -29,8 +29,9 @@ def _percentiles(xs: list[float]) -> str:
     return " ".join(f"p{q}={np.percentile(xs, q) * 1e3:.1f}ms" for q in (50, 90, 99))
 
 
-def _hf_model(cfg, folder: str):
-    """A random HF Ernie4_5_MoeForCausalLM of this config, saved to `folder`."""
+def _hf_model(cfg, folder: str, dtype: str):
+    """A random HF Ernie4_5_MoeForCausalLM of this config in `dtype`, saved to `folder` (so both stacks
+    run the same weights in the same dtype)."""
     import torch
     from transformers import Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM
     torch.manual_seed(0)
@@ -43,7 +44,7 @@ def _hf_model(cfg, folder: str):
         moe_layer_end_index=cfg.moe_layer_end_index, moe_layer_interval=cfg.moe_layer_interval,
         tie_word_embeddings=cfg.tie_word_embeddings, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
         max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps)
-    model = Ernie4_5_MoeForCausalLM(hf_cfg).eval()
+    model = Ernie4_5_MoeForCausalLM(hf_cfg).eval().to(getattr(torch, dtype))
     model.save_pretrained(folder)
     return model
 
@@ -57,7 +58,7 @@ def offline(args) -> int:
     tmp = tempfile.TemporaryDirectory()
     if args.compare_hf:
         cfg = ErnieConfig.preset(model) if model.lower() in PRESETS else ErnieConfig.from_pretrained(model)
-        hf = _hf_model(cfg, tmp.name)
+        hf = _hf_model(cfg, tmp.name, args.dtype)
         model = tmp.name
     t0 = time.perf_counter()
     llm = LLM(model, dtype=args.dtype, max_model_len=args.input_len + args.output_len,
@@ -116,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     off.add_argument("--input-len", type=int, default=128)
     off.add_argument("--output-len", type=int, default=128)
     off.add_argument("--max-num-seqs", type=int, default=None, help="default: --num-prompts")
-    off.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    off.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                     help="weights and activations of both stacks (--compare-hf runs HF in the same dtype)")
     off.add_argument("--kv-cache-dtype", default="auto")
     off.add_argument("--mesh", default=None)
     off.add_argument("--prefill-devices", type=int, default=None)

@@ -61,27 +61,31 @@ class LLM:
         self.tokenizer: Tokenizer | None = None
         self.generation_config: dict = {}
         if isinstance(model, ErnieForCausalLM):
-            self.model = model
+            cfg, weights, given = model.config, None, model
         elif isinstance(model, str) and os.path.isdir(model):
-            from ernie_jax.checkpoint import load_pretrained
-            self.model = load_pretrained(model, dtype=jdtype, quantization=quantization, fp8_compute=fp8_compute)
+            from ernie_jax.checkpoint import read_pretrained
+            # Host memory first: under a mesh each tensor then goes straight onto its shards, per submesh.
+            cfg, weights = read_pretrained(model, jdtype, quantization=quantization, fp8_compute=fp8_compute)
+            given = None
             self.tokenizer = Tokenizer.from_pretrained(model)
             gen_file = os.path.join(model, "generation_config.json")
             if os.path.isfile(gen_file):
                 with open(gen_file) as f:
                     self.generation_config = json.load(f)
         elif isinstance(model, str) and model.lower() in PRESETS:
-            self.model = ErnieForCausalLM(ErnieConfig.preset(model), rngs=nnx.Rngs(seed), dtype=jdtype)
+            given = ErnieForCausalLM(ErnieConfig.preset(model), rngs=nnx.Rngs(seed), dtype=jdtype)
+            cfg, weights = given.config, None
         else:
             raise ValueError(f"model {model!r} is neither a checkpoint folder nor a preset ({sorted(PRESETS)})")
-        cfg = self.model.config
         self.max_model_len = max_model_len or min(cfg.max_position_embeddings, 2048)
         eos = set(cfg.eos_token_id)
         gen_eos = self.generation_config.get("eos_token_id", [])
         eos.update([gen_eos] if isinstance(gen_eos, int) else gen_eos)
         if self.tokenizer is not None:
             eos.update(self.tokenizer.eos_token_ids)
-        decode_model, prefill_model = self._place(mesh, prefill_devices, disaggregate, sharding)
+        decode_model, prefill_model = self._place(cfg, given, weights, jdtype, mesh, prefill_devices, disaggregate,
+                                                  sharding)
+        self.model = decode_model  # the decode-side model (on the decode submesh under PD)
         self.engine = Engine(decode_model, prefill_model=prefill_model, max_num_seqs=max_num_seqs,
                              max_model_len=self.max_model_len, page_size=page_size, num_pages=num_pages,
                              prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype, eos_token_ids=frozenset(eos),
@@ -92,22 +96,26 @@ class LLM:
     def eos_token_ids(self) -> frozenset[int]:
         return self.engine.eos_token_ids
 
-    def _place(self, mesh, prefill_devices, disaggregate, sharding):
+    @staticmethod
+    def _place(cfg, given, weights, dtype, mesh, prefill_devices, disaggregate, sharding):
+        """(decode model, prefill model or None) from a built model (`given`) or host weights."""
+        if given is not None:
+            weights, dtype = given.weights(), given.dtype
         if mesh is None:
-            return self.model, None
+            return given if given is not None else ErnieForCausalLM(cfg, jax.tree.map(jnp.asarray, weights),
+                                                                    dtype=dtype), None
         from ernie_jax.sharding import ShardingPlan, make_mesh
+        place = lambda m: ErnieForCausalLM.from_host(cfg, weights, dtype, ShardingPlan.create(m, sharding))  # noqa: E731
         full = make_mesh(mesh)
         devices = list(full.devices.flat)
         if not disaggregate:
-            return self.model.shard(ShardingPlan.create(full, sharding)), None
+            return place(full), None
         n_prefill = prefill_devices or len(devices) // 2
         if not 1 <= n_prefill < len(devices):
             raise ValueError(f"prefill_devices={n_prefill} must leave at least one of the {len(devices)} devices "
                              "for decode")
-        prefill = self.model.shard(ShardingPlan.create(make_mesh(n_prefill, devices[:n_prefill]), sharding))
-        decode = self.model.shard(ShardingPlan.create(make_mesh(len(devices) - n_prefill, devices[n_prefill:]),
-                                                      sharding))
-        return decode, prefill
+        prefill = place(make_mesh(n_prefill, devices[:n_prefill]))
+        return place(make_mesh(len(devices) - n_prefill, devices[n_prefill:])), prefill
 
     @property
     def sampling_defaults(self) -> dict:

@@ -7,6 +7,7 @@ import pytest
 
 from ernie_jax import load_pretrained
 from ernie_jax.model import layers
+from ernie_jax.model.layers import expert_capacities
 from ernie_jax.sharding import ShardingPlan, make_mesh
 from tests.conftest import GOLDEN
 
@@ -37,12 +38,55 @@ def test_ragged_expert_parallel_matches(golden, ragged, mesh):
     assert np.abs(np.asarray(sharded(g["input_ids"])) - g["logits"]).max() < 1e-4
 
 
-def test_ragged_fp8_grouped_path_runs(golden, ragged):
+def test_ragged_fp8_grouped_path_matches_capacity_path(golden, ragged):
     g = golden("shared_untied")
     model = load_pretrained(GOLDEN / "shared_untied" / "paddle", dtype=jnp.float32, quantization="fp8",
                             fp8_compute="weight_only")
     ragged_logits = np.asarray(model(g["input_ids"]))
-    layers.EXPERT_IMPL = "dense"
+    layers.EXPERT_IMPL = "capacity"
     jax.clear_caches()
-    dense_ref = np.asarray(model(g["input_ids"]))
-    assert np.abs(ragged_logits - dense_ref).max() < 1e-4
+    capacity_ref = np.asarray(model(g["input_ids"]))
+    assert np.abs(ragged_logits - capacity_ref).max() < 1e-4
+
+
+def test_expert_capacities_cover_every_load():
+    for tokens, k, experts in [(16, 4, 16), (128, 8, 64), (1, 8, 64), (7, 2, 8), (3, 2, 2)]:
+        caps = expert_capacities(tokens, k, experts)
+        assert caps == sorted(set(caps)) and caps[-1] == tokens  # no expert can get more than `tokens` rows
+        assert caps[0] >= min(-(-tokens * k // experts), tokens)  # nothing below the mean load
+
+
+@pytest.mark.parametrize("skew", [False, True], ids=["random", "skewed"])
+@pytest.mark.parametrize("first, local", [(0, 8), (2, 2), (6, 2)])
+def test_capacity_path_matches_ragged_path(skew, first, local):
+    """The CPU capacity formulation against the grouped-matmul one, for all experts and for a device's slice
+    of them (expert parallelism), with routing spread out and with every token on the same two experts
+    (the largest capacity is taken: nothing is dropped)."""
+    T, H, F, E, k = 19, 32, 16, 8, 2
+    key = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(key[0], (T, H))
+    up_gate = jax.random.normal(key[1], (E, H, 2 * F)) * 0.2
+    down = jax.random.normal(key[2], (E, F, H)) * 0.2
+    pick = jax.vmap(lambda kk: jax.random.choice(kk, E, (k,), replace=False))
+    ids = jnp.tile(jnp.array([[first, first + 1]], jnp.int32), (T, 1)) if skew else \
+        pick(jax.random.split(key[3], T)).astype(jnp.int32)
+    w = jax.nn.softmax(jax.random.normal(key[3], (T, k)), axis=-1)
+    ug, dn = up_gate[first:first + local], down[first:first + local]
+    out = {}
+    for impl in ("capacity", "ragged"):
+        layers.EXPERT_IMPL = impl
+        try:
+            out[impl] = np.asarray(jax.jit(lambda *a: layers.routed_experts(*a, E, first))(x, w, ids, ug, dn))
+        finally:
+            layers.EXPERT_IMPL = "auto"
+    # reference: each assignment to a local expert, one at a time
+    ref = np.zeros((T, H), np.float32)
+    for t in range(T):
+        for j in range(k):
+            e = int(ids[t, j])
+            if first <= e < first + local:
+                ref[t] += float(w[t, j]) * np.asarray(layers.swiglu(x[t:t + 1], up_gate[e], down[e]))[0]
+    np.testing.assert_allclose(out["capacity"], ref, atol=1e-5)
+    np.testing.assert_allclose(out["ragged"], ref, atol=1e-5)
+    invariant = jax.jit(lambda *a: layers.routed_experts(*a, E, first, batch_invariant=True))(x, w, ids, ug, dn)
+    np.testing.assert_allclose(np.asarray(invariant), ref, atol=1e-5)

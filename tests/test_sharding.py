@@ -53,6 +53,39 @@ def test_sharded_matches_unsharded(mesh, shared):
     assert np.abs(dec - ref_full).max() < 1e-5
 
 
+@pytest.fixture
+def all_to_all():
+    """Run the ragged all-to-all EP dispatch (the GPU/TPU default) on CPU, through its all-gather equivalent."""
+    from ernie_jax.sharding import expert_parallel
+    jax.clear_caches()  # the dispatch is chosen at trace time
+    expert_parallel.EP_DISPATCH = "all_to_all"
+    yield
+    expert_parallel.EP_DISPATCH = "auto"
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("preset", ["tp_ep", "dp_attn_ep"])
+@pytest.mark.parametrize("mesh", MESHES)
+def test_all_to_all_dispatch_matches_unsharded(all_to_all, mesh, preset):
+    """Odd token counts (T not a multiple of the expert group) in prefill and in one-token decode steps."""
+    ids = np.random.default_rng(3).integers(3, 256, (2, 7)).astype(np.int32)
+    ref, _ = run(tiny(1), ids)
+    full, dec = run(tiny(1).shard(ShardingPlan.create(make_mesh(mesh), preset)), ids)
+    assert np.abs(full - ref).max() < 1e-5 and np.abs(dec - ref).max() < 1e-5
+
+
+def test_all_to_all_worst_case_load_with_padding_tokens(all_to_all):
+    """7 tokens on 8 devices (one padding token) all routed to experts 0 and 1: device 0 receives a row from
+    every token, the most its receive buffer is sized for (an overflow would turn the output into NaN)."""
+    model = tiny(0)
+    w = model.weights()
+    w["segments"][1]["router_bias"] = w["segments"][1]["router_bias"].at[:, :2].set(10.0)
+    skewed = ErnieForCausalLM(model.config, w, dtype=jnp.float32)
+    ids = np.random.default_rng(4).integers(3, 256, (1, 7)).astype(np.int32)
+    out = np.asarray(skewed.shard(ShardingPlan.create(make_mesh("data=1,expert=8,tensor=1")))(ids))
+    assert np.abs(out - np.asarray(skewed(ids))).max() < 1e-5
+
+
 @pytest.mark.parametrize("preset", ["tp", "dp_attn_ep"])
 def test_other_presets(preset):
     ids = np.random.default_rng(1).integers(3, 256, (2, 7)).astype(np.int32)
@@ -72,8 +105,13 @@ def dense_moe_reference(x, w, cfg):
     return jnp.einsum("te,teh->th", gate, per_expert).reshape(x.shape), ids
 
 
-def test_skewed_routing_drops_nothing_under_ep():
-    """Every token picks experts 0 and 1 (a huge correction bias): those two devices get all the work."""
+@pytest.mark.parametrize("dispatch", ["replicated", "all_to_all"])
+def test_skewed_routing_drops_nothing_under_ep(monkeypatch, dispatch):
+    """Every token picks experts 0 and 1 (a huge correction bias): those two devices get all the work (with
+    all-to-all, all 64 tokens' rows arrive at two devices)."""
+    from ernie_jax.sharding import expert_parallel
+    monkeypatch.setattr(expert_parallel, "EP_DISPATCH", dispatch)
+    jax.clear_caches()
     model = tiny(0)
     w = model.weights()
     seg = w["segments"][1]
@@ -94,24 +132,40 @@ def test_skewed_routing_drops_nothing_under_ep():
     np.testing.assert_allclose(np.asarray(sharded(ids_tok)), np.asarray(skewed(ids_tok)), atol=1e-5)
 
 
-def test_ep_moe_has_no_expert_weight_all_gather_on_gpu_lowering():
+def traced_moe_layer(mesh: str):
+    """The tiny config's bf16 MoE decoder layer under EP on `mesh`, traced from abstract shapes (8 x 4 tokens)
+    -> (traced, the layer's abstract weights)."""
     cfg = ErnieConfig.preset("tiny")
-    plan = ShardingPlan.create(make_mesh(8))
+    plan = ShardingPlan.create(make_mesh(mesh))
     w = abstract_weights(cfg, jnp.bfloat16)["segments"][1]
     layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), w)
     layer = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), layer, plan.shardings(layer))
     x = jax.ShapeDtypeStruct((8, 4, cfg.hidden_size), jnp.bfloat16)
     pos = jax.ShapeDtypeStruct((8, 4), jnp.int32)
-    f = jax.jit(lambda h, w, p: decoder_layer(h, w, "moe", cfg, p, plan=plan)[0])
-    hlo = f.trace(x, layer, pos).lower(lowering_platforms=("cuda",)).as_text()
+    return jax.jit(lambda h, w, p: decoder_layer(h, w, "moe", cfg, p, plan=plan)[0]).trace(x, layer, pos), layer
+
+
+def test_ep_moe_has_no_expert_weight_all_gather_on_gpu_lowering():
+    traced, layer = traced_moe_layer("data=1,expert=1,tensor=8")
+    hlo = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert "all_gather" not in hlo and "all-gather" not in hlo
     assert "all_reduce" in hlo  # the psum that adds the experts' shares
-    compiled = jax.jit(lambda h, w, p: decoder_layer(h, w, "moe", cfg, p, plan=plan)[0]).trace(
-        x, layer, pos).lower().compile().as_text()
+    compiled = traced.lower().compile().as_text()
     E, H, F2 = layer["experts_up_gate"].shape
     for line in compiled.splitlines():
         if "all-gather" in line:
             assert f"[{E},{H},{F2}]" not in line and f"{E},{F2 // 2},{H}" not in line, line
+
+
+def test_all_to_all_ep_lowers_to_ragged_all_to_all_on_gpu(all_to_all):
+    """Lowered for CUDA, the all-to-all dispatch uses the real ragged all-to-all (twice: rows out, results
+    back), and the only all-gathers are of routing counts and of the [T/n, H] outputs, never expert weights."""
+    traced, layer = traced_moe_layer("data=1,expert=8,tensor=1")
+    hlo = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert hlo.count("ragged_all_to_all") == 2
+    E, H, F2 = layer["experts_up_gate"].shape
+    gathers = [line for line in hlo.splitlines() if "all_gather" in line]
+    assert gathers and not any(f"{E // 8}x{H}x{F2}" in g or f"{E}x{H}x{F2}" in g for g in gathers)
 
 
 def test_per_device_bytes_and_direct_placement():

@@ -81,6 +81,18 @@ def load_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *, quantization
     """
     from ernie_jax.model.ernie import ErnieForCausalLM
 
+    cfg, weights = read_pretrained(path, dtype, quantization=quantization, fp8_compute=fp8_compute)
+    if mesh is None:
+        return ErnieForCausalLM(cfg, jax.tree.map(jnp.asarray, weights), dtype=dtype)
+    from ernie_jax.sharding import ShardingPlan, make_mesh
+    mesh = mesh if isinstance(mesh, Mesh) else make_mesh(mesh)
+    return ErnieForCausalLM.from_host(cfg, weights, dtype, ShardingPlan.create(mesh, sharding))
+
+
+def read_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *, quantization: str | None = None,
+                    fp8_compute: str = "w8a8") -> tuple[ErnieConfig, dict[str, Any]]:
+    """A checkpoint folder's config and weights pytree in host memory (numpy), converted as load_pretrained
+    describes but not yet on any device: the caller places it, e.g. once per submesh."""
     if quantization not in (None, "fp8"):
         raise ValueError(f"quantization={quantization!r}: expected None or 'fp8'")
     if fp8_compute not in COMPUTE_MODES:
@@ -96,13 +108,7 @@ def load_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *, quantization
         weights, cfg = read_weights(path, cfg, dtype)
     if quantization == "fp8" or _has_fp8(weights):
         weights = quantize_weights(weights, fp8_compute)
-    if mesh is None:
-        return ErnieForCausalLM(cfg, jax.tree.map(jnp.asarray, weights), dtype=dtype)
-    from ernie_jax.sharding import ShardingPlan, make_mesh, shard_weights
-    plan = ShardingPlan.create(mesh if isinstance(mesh, Mesh) else make_mesh(mesh), sharding)
-    model = ErnieForCausalLM(cfg, shard_weights(weights, plan), dtype=dtype)
-    model.plan = plan
-    return model
+    return cfg, weights
 
 
 def _has_fp8(weights) -> bool:

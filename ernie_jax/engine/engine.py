@@ -110,13 +110,14 @@ class Engine:
                                      prefill_buckets=[] if prefill_model is not None else
                                      buckets(self.prefill_chunk, 16),
                                      decode_buckets=[max_num_seqs] if batch_invariant else buckets(max_num_seqs),
-                                     name="decode" if prefill_model is not None else "colocated")
+                                     name="decode" if prefill_model is not None else "colocated",
+                                     batch_invariant=batch_invariant)
         self.allocator = PageAllocator(num_pages, page_size)
         if prefill_model is not None:
             self.prefiller = ModelPrograms(prefill_model, num_pages=self.max_pages + 1, page_size=page_size,
                                            max_pages_per_seq=self.max_pages, kv_cache_dtype=kv_cache_dtype,
                                            prefill_buckets=buckets(self.prefill_chunk, 16), decode_buckets=[],
-                                           name="prefill")
+                                           name="prefill", batch_invariant=batch_invariant)
             self.prefill_allocator = PageAllocator(self.max_pages + 1, page_size)
             self.transfer = PageTransfer(self.prefiller, self.decoder)
         else:

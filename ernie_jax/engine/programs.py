@@ -31,23 +31,24 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from ernie_jax.model.ernie import ErnieForCausalLM
 from ernie_jax.model.forward import forward
 from ernie_jax.model.kv_cache import KV_CACHE_DTYPES, KVCache
+from ernie_jax.model.weights import unstack_layers
 from ernie_jax.sampling import MAX_LOGPROBS, sample
 
 log = logging.getLogger("ernie_jax.engine")
 
 
-def _step(weights, input_ids, positions, cache, logit_positions, block_tables, *, cfg, plan):
+def _step(weights, input_ids, positions, cache, logit_positions, block_tables, *, cfg, plan, batch_invariant):
     """-> (logits [B,V] at logit_positions, cache, expert token counts [L_moe,E])."""
-    out = forward(weights, cfg, input_ids, positions, cache, logit_positions, plan, block_tables)
+    out = forward(weights, cfg, input_ids, positions, cache, logit_positions, plan, block_tables, batch_invariant)
     return out.logits, out.cache, _expert_counts(out.expert_ids, logit_positions, input_ids.shape, cfg)
 
 
 def _score_step(weights, input_ids, positions, cache, logit_positions, block_tables, targets, *, cfg, plan,
-                num_top):
+                batch_invariant, num_top):
     """Prefill that also scores the chunk: the logprob of targets[b,t] (the next prompt token) after each
     position, with the top `num_top` alternatives -- prompt logprobs, what `echo` + `logprobs` return."""
     B, T = input_ids.shape
-    out = forward(weights, cfg, input_ids, positions, cache, None, plan, block_tables)
+    out = forward(weights, cfg, input_ids, positions, cache, None, plan, block_tables, batch_invariant)
     logprobs = jax.nn.log_softmax(out.logits, axis=-1)  # [B,T,V]
     target_lp = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
     top_lp, top_ids = lax.top_k(logprobs, num_top)
@@ -91,15 +92,18 @@ def compile_all(jobs: dict[Any, Callable[[], Any]], on_done: Callable[[Any, Any,
 
 class ModelPrograms:
     def __init__(self, model: ErnieForCausalLM, *, num_pages: int, page_size: int, max_pages_per_seq: int,
-                 kv_cache_dtype: str, prefill_buckets: list[int], decode_buckets: list[int], name: str):
-        self.model, self.cfg, self.plan, self.name = model, model.config, model.plan, name
+                 kv_cache_dtype: str, prefill_buckets: list[int], decode_buckets: list[int], name: str,
+                 batch_invariant: bool = False):
+        self.cfg, self.plan, self.name = model.config, model.plan, name
         self.weights = model.weights()
+        if next(iter(jax.tree.leaves(self.weights)[0].devices())).platform == "cpu":
+            self.weights = unstack_layers(self.weights)  # why: weights.unstack_layers
         self.page_size, self.max_pages = page_size, max_pages_per_seq
         if self.plan is not None:
             self.devices = list(self.plan.mesh.devices.flat)
             self.replicated = NamedSharding(self.plan.mesh, P())
         else:
-            self.devices = [jax.tree.leaves(self.weights)[0].devices().pop()]
+            self.devices = [next(iter(jax.tree.leaves(self.weights)[0].devices()))]
             self.replicated = SingleDeviceSharding(self.devices[0])
         dtype = KV_CACHE_DTYPES[kv_cache_dtype] or model.dtype
         if kv_cache_dtype == "auto" and dtype == jnp.bfloat16 and self.devices[0].platform == "cpu":
@@ -114,10 +118,10 @@ class ModelPrograms:
         w_shardings = jax.tree.map(lambda a: a.sharding, self.weights)
         rep = self.replicated
         ins = (w_shardings, rep, rep, self.cache_shardings, rep, rep)
-        self._jit = jax.jit(functools.partial(_step, cfg=self.cfg, plan=self.plan), donate_argnums=(3,),
+        static = dict(cfg=self.cfg, plan=self.plan, batch_invariant=batch_invariant)
+        self._jit = jax.jit(functools.partial(_step, **static), donate_argnums=(3,),
                             in_shardings=ins, out_shardings=(rep, self.cache_shardings, rep))
-        self._score_jit = jax.jit(functools.partial(_score_step, cfg=self.cfg, plan=self.plan,
-                                                    num_top=MAX_LOGPROBS),
+        self._score_jit = jax.jit(functools.partial(_score_step, **static, num_top=MAX_LOGPROBS),
                                   donate_argnums=(3,), in_shardings=ins + (rep,),
                                   out_shardings=(rep, self.cache_shardings, rep, rep))
         self._score: dict[int, Any] = {}  # scoring prefill per chunk length, compiled on first use
@@ -176,16 +180,16 @@ class ModelPrograms:
                                                    "seeds": i32.astype(np.uint32), "steps": i32, "min_p": None,
                                                    "penalties": None}, 0))
 
-    def put(self, x) -> jax.Array:
-        """Explicit host -> device copy onto this mesh (replicated)."""
+    def put(self, x):
+        """Explicit host -> device copy onto this mesh (replicated); a pytree goes in one call."""
         return jax.device_put(x, self.replicated)
 
     def run(self, kind: str, ids, positions, logit_positions, block_tables) -> tuple[jax.Array, jax.Array]:
         """One prefill chunk or decode step; returns (logits, expert token counts), both on device."""
         B, T = ids.shape
         fn = self._programs[kind, T if kind == "prefill" else B]
-        logits, self.cache, counts = fn(self.weights, self.put(ids), self.put(positions), self.cache,
-                                        self.put(logit_positions), self.put(block_tables))
+        ids, positions, logit_positions, block_tables = self.put((ids, positions, logit_positions, block_tables))
+        logits, self.cache, counts = fn(self.weights, ids, positions, self.cache, logit_positions, block_tables)
         return logits, counts
 
     def run_scored(self, ids, positions, logit_positions, block_tables, targets):
@@ -196,13 +200,14 @@ class ModelPrograms:
             t0 = time.perf_counter()
             self._score[T] = self._lower(self._score_jit, 1, T, extra=((1, T),)).compile()
             self.report.append((f"{self.name} prefill+prompt_logprobs", T, time.perf_counter() - t0))
-        logits, self.cache, counts, scores = self._score[T](
-            self.weights, self.put(ids), self.put(positions), self.cache, self.put(logit_positions),
-            self.put(block_tables), self.put(targets))
+        ids, positions, logit_positions, block_tables, targets = self.put(
+            (ids, positions, logit_positions, block_tables, targets))
+        logits, self.cache, counts, scores = self._score[T](self.weights, ids, positions, self.cache,
+                                                            logit_positions, block_tables, targets)
         return logits, counts, scores
 
     def sample(self, logits, arrays: dict[str, Any], num_logprobs: int):
-        args = {k: self.put(v) if v is not None else None for k, v in arrays.items()}
+        args = self.put(arrays)  # None entries stay None
         penalties = args.pop("penalties")
         return sample(logits, **args, penalties=penalties, num_logprobs=num_logprobs)
 

@@ -95,8 +95,14 @@ class ErnieForCausalLM(nnx.Module):
 
     def shard(self, plan) -> "ErnieForCausalLM":
         """This model with every weight placed on plan.mesh by plan's rules (a new module; self unchanged)."""
+        return ErnieForCausalLM.from_host(self.config, self.weights(), self.dtype, plan)
+
+    @classmethod
+    def from_host(cls, config: ErnieConfig, weights: dict[str, Any], dtype, plan) -> "ErnieForCausalLM":
+        """A model whose weights (host arrays or device arrays) are placed on plan.mesh by plan's rules, each
+        tensor straight onto its shards (sharding.placement)."""
         from ernie_jax.sharding.placement import shard_weights
-        model = ErnieForCausalLM(self.config, shard_weights(self.weights(), plan), dtype=self.dtype)
+        model = cls(config, shard_weights(weights, plan), dtype=dtype)
         model.plan = plan
         return model
 

@@ -1,7 +1,8 @@
 """The ERNIE-4.5 forward pass as pure functions over the weights pytree (see weights.py).
 
 `forward` runs embedding -> decoder segments -> final norm -> LM head. Each segment (a run of dense or of
-MoE layers) is one `lax.scan` over its stacked weights, so compile time does not grow with depth.
+MoE layers) is one `lax.scan` over its stacked weights, so compile time does not grow with depth; the
+engine unrolls the layers on CPU instead (weights.unstack_layers says why).
 `mtp_forward` runs the multi-token-prediction block (spec section 5.1).
 """
 
@@ -72,7 +73,7 @@ def attention_block(x, w, cfg: ErnieConfig, positions, seg_cache=None, layer=Non
 
 
 def decoder_layer(h, w, kind: str, cfg: ErnieConfig, positions, seg_cache=None, layer=None, block_tables=None,
-                  plan=None):
+                  plan=None, batch_invariant: bool = False):
     """Pre-norm residual block. Returns (h, seg_cache, expert ids or None)."""
     a, seg_cache = attention_block(rms_norm(h, w["input_norm"], cfg.rms_norm_eps), w, cfg, positions,
                                    seg_cache, layer, block_tables, plan)
@@ -81,9 +82,9 @@ def decoder_layer(h, w, kind: str, cfg: ErnieConfig, positions, seg_cache=None, 
     if kind == "dense":
         y, ids = swiglu(x, w["up_gate"], w["down"], plan), None
     elif plan is None:
-        y, ids = moe(x, w, cfg)
+        y, ids = moe(x, w, cfg, batch_invariant)
     else:
-        y, ids = moe_ep(x, w, cfg, plan)
+        y, ids = moe_ep(x, w, cfg, plan, batch_invariant)
     return _constrain(h + y, plan, HIDDEN), seg_cache, ids
 
 
@@ -96,12 +97,16 @@ def lm_head(weights, h: jax.Array) -> jax.Array:
 
 def forward(weights: dict[str, Any], cfg: ErnieConfig, input_ids: jax.Array, positions: jax.Array | None = None,
             cache: kvc.KVCache | None = None, logit_positions: jax.Array | None = None,
-            plan: ShardingPlan | None = None, block_tables: jax.Array | None = None) -> ForwardOutput:
+            plan: ShardingPlan | None = None, block_tables: jax.Array | None = None,
+            batch_invariant: bool = False) -> ForwardOutput:
     """input_ids [B,T] int; positions [B,T] (default 0..T-1); with `cache`, K/V are written at `positions`
     through `block_tables` [B,n] (default: row b owns page b, a contiguous cache), and attention reads every
     filled slot, which is how incremental decoding works.
     `logit_positions` [B]: compute logits only at these token indices (e.g. the last prompt token).
-    `plan`: run sharded on plan.mesh (weights and cache placed by the same plan); None runs unsharded."""
+    `plan`: run sharded on plan.mesh (weights and cache placed by the same plan); None runs unsharded.
+    `batch_invariant`: a row's result must not depend on the other rows (layers.routed_experts).
+    A segment's weights are either stacked [L, ...] (one lax.scan) or a list of per-layer pytrees
+    (weights.unstack_layers; the layers are unrolled)."""
     B, T = input_ids.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -111,14 +116,22 @@ def forward(weights: dict[str, Any], cfg: ErnieConfig, input_ids: jax.Array, pos
     new_segments, expert_ids = [], []
     for s, seg in enumerate(cfg.layer_segments()):
         seg_cache = None if cache is None else cache.segment(s)
+        layer_fn = functools.partial(decoder_layer, kind=seg.kind, cfg=cfg, positions=positions,
+                                     block_tables=block_tables, plan=plan, batch_invariant=batch_invariant)
+        seg_w = weights["segments"][s]
+        if isinstance(seg_w, list):
+            ids = []
+            for layer, w in enumerate(seg_w):
+                h, seg_cache, layer_ids = layer_fn(h, w, seg_cache=seg_cache, layer=layer)
+                ids.append(layer_ids)
+            ids = None if seg.kind == "dense" else jnp.stack(ids)
+        else:
+            def body(carry, xs):
+                (h, seg_cache), (w, layer) = carry, xs
+                h, seg_cache, layer_ids = layer_fn(h, w, seg_cache=seg_cache, layer=layer)
+                return (h, seg_cache), layer_ids
 
-        def body(carry, xs, kind=seg.kind):
-            h, seg_cache = carry
-            w, layer = xs
-            h, seg_cache, ids = decoder_layer(h, w, kind, cfg, positions, seg_cache, layer, block_tables, plan)
-            return (h, seg_cache), ids
-
-        (h, seg_cache), ids = lax.scan(body, (h, seg_cache), (weights["segments"][s], jnp.arange(seg.count)))
+            (h, seg_cache), ids = lax.scan(body, (h, seg_cache), (seg_w, jnp.arange(seg.count)))
         new_segments.append(seg_cache)
         if ids is not None:
             expert_ids.append(ids)

@@ -10,6 +10,8 @@ E experts, F FFN width, k experts per token.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -119,40 +121,50 @@ def _ragged_dot(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
 EXPERT_IMPL = "auto"
 
 
-def dense_experts() -> bool:
-    """Which routed-expert formulation to trace. XLA:CPU runs ragged_dot as a dense loop over every group
-    on every row (ANCHORS P5), so on CPU computing each local expert on each token is k times cheaper;
-    accelerators take the grouped (ragged) matmul, whose cost follows the routed rows."""
+def ragged_experts() -> bool:
+    """Which routed-expert formulation to trace. Accelerators take the grouped (ragged) matmul, whose cost
+    follows the routed rows. XLA:CPU runs ragged_dot as a dense loop over every group on every row
+    (ANCHORS P5), so CPUs take the capacity formulation below."""
     if EXPERT_IMPL != "auto":
-        return EXPERT_IMPL == "dense"
-    return jax.default_backend() == "cpu"
+        return EXPERT_IMPL == "ragged"
+    return jax.default_backend() != "cpu"
+
+
+def expert_capacities(tokens: int, k: int, num_experts: int) -> list[int]:
+    """The per-expert row capacities a step picks from, ascending: 2^n and 1.5 * 2^n from the mean load up
+    to `tokens`. A token picks an expert at most once, so no expert gets more than `tokens` rows and the last
+    capacity always holds every assignment; the steps in between keep the padding under 50 %."""
+    mean = -(-tokens * k // num_experts)
+    sizes, c = set(), 1
+    while c < tokens:
+        sizes.update({c, c + c // 2})
+        c *= 2
+    return sorted(x for x in sizes if mean <= x < tokens) + [tokens]
 
 
 def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, up_gate, down, num_experts: int,
-                   first_expert: jax.Array | int = 0) -> jax.Array:
+                   first_expert: jax.Array | int = 0, batch_invariant: bool = False) -> jax.Array:
     """The routed-expert output of the experts [first_expert, first_expert + E_local) held in up_gate/down.
 
     x [T,H]; weights, ids [T,k]. With every expert local this is the whole routed output; under expert
     parallelism each device adds its own experts' share (sharding/expert_parallel.py). Dropless: each
     assignment to a local expert is computed, whatever the load.
+    batch_invariant: on the capacity path, always use the largest capacity, so a token's result never
+    depends on how the other tokens were routed.
     """
+    if not ragged_experts():
+        caps = expert_capacities(ids.shape[0], ids.shape[1], num_experts)
+        caps = caps[-1:] if batch_invariant else caps
+        run = [functools.partial(_capacity_experts, capacity=c) for c in caps]
+        if len(run) == 1:
+            return run[0](x, weights, ids, up_gate, down, first_expert)
+        local = up_gate.shape[0]
+        e = ids.reshape(-1) - first_expert
+        load = jnp.bincount(jnp.where((e >= 0) & (e < local), e, local), length=local)  # local experts only
+        return lax.switch(jnp.sum(jnp.asarray(caps[:-1]) < jnp.max(load)), run, x, weights, ids, up_gate, down,
+                          first_expert)
     T, k = ids.shape
     local = up_gate.shape[0]
-    if dense_experts():
-        # Every local expert on every token, weighted by the (mostly zero) routing matrix: T*E_local expert
-        # products, where XLA:CPU's ragged_dot decomposition would do T*k*E_local.
-        gates = jnp.zeros((T, num_experts), jnp.float32).at[jnp.arange(T)[:, None], ids].add(weights)
-        gates = lax.dynamic_slice_in_dim(gates, first_expert, local, axis=1)
-        if isinstance(up_gate, BlockFP8) or isinstance(down, BlockFP8):
-            per_expert = jax.vmap(lambda w1, w2: swiglu(x, w1, w2))(up_gate, down)  # [E_local, T, H]
-            return jnp.einsum("eth,te->th", per_expert, gates.astype(x.dtype),
-                              preferred_element_type=jnp.float32).astype(x.dtype)
-        # Two GEMMs over all local experts at once; the routing weights scale the inner activations, so the
-        # down projection also sums over the experts.
-        u = jnp.einsum("th,ehf->tef", x, up_gate.astype(x.dtype), preferred_element_type=jnp.float32)
-        g, up = jnp.split(u.astype(x.dtype), 2, axis=-1)
-        a = jax.nn.silu(g) * up * gates.astype(x.dtype)[..., None]
-        return jnp.einsum("tef,efh->th", a, down.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
     order, inverse, sizes = sort_by_expert(ids, num_experts)
     xs = x[order // k]
     if local == num_experts:
@@ -169,14 +181,35 @@ def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, up_gate, do
     return jnp.einsum("tkh,tk->th", ys, weights.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def moe(x: jax.Array, w: dict, cfg: ErnieConfig) -> tuple[jax.Array, jax.Array]:
+def _capacity_experts(x, weights, ids, up_gate, down, first_expert, *, capacity: int) -> jax.Array:
+    """Routed experts as one batched matmul over the local experts, each given `capacity` row slots.
+
+    The caller picks a capacity at least the largest local expert load, so every assignment gets a slot
+    (nothing is dropped); empty slots compute on zeros. XLA:CPU runs this batched matmul straight from the
+    expert weights' layout, and its cost follows the routed load rather than T*E_local.
+    """
+    T, k = ids.shape
+    local, C = up_gate.shape[0], capacity
+    e = ids.reshape(-1) - first_expert  # [T*k] local expert of each assignment
+    mine = (e >= 0) & (e < local)
+    hot = (e[:, None] == jnp.arange(local)).astype(jnp.int32)  # [T*k, E_local]
+    rank = jnp.sum((jnp.cumsum(hot, axis=0) - 1) * hot, axis=-1)  # the assignment's row within its expert
+    slot = jnp.where(mine, e * C + rank, local * C)  # other devices' experts go to a slot past the end
+    xs = jnp.zeros((local * C, x.shape[-1]), x.dtype).at[slot].set(jnp.repeat(x, k, axis=0), mode="drop")
+    ys = jax.vmap(swiglu)(xs.reshape(local, C, -1), up_gate, down).reshape(local * C, -1)
+    ys = jnp.take(ys, slot, axis=0, mode="fill", fill_value=0).reshape(T, k, -1)  # [T,k,H], 0 if not local
+    return jnp.einsum("tkh,tk->th", ys, weights.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def moe(x: jax.Array, w: dict, cfg: ErnieConfig, batch_invariant: bool = False) -> tuple[jax.Array, jax.Array]:
     """Dropless MoE block: every (token, expert) assignment is computed, none is capped or dropped.
 
     x [B,T,H] -> (y [B,T,H], expert ids [B*T,k])
     """
     x2 = x.reshape(-1, x.shape[-1])
     weights, ids = route(x2, w["router"], w["router_bias"], cfg)
-    y = routed_experts(x2, weights, ids, w["experts_up_gate"], w["experts_down"], cfg.moe_num_experts)
+    y = routed_experts(x2, weights, ids, w["experts_up_gate"], w["experts_down"], cfg.moe_num_experts,
+                       batch_invariant=batch_invariant)
     return (y + shared_experts(x2, w)).reshape(x.shape), ids
 
 

@@ -159,3 +159,26 @@ def param_counts(cfg: ErnieConfig) -> dict[str, int]:
     idle = cfg.moe_num_experts - cfg.moe_k
     active -= cfg.num_moe_layers * idle * per_expert
     return {"total": total, "active": active, "mtp": mtp}
+
+
+def unstack_layers(weights: dict[str, Any]) -> dict[str, Any]:
+    """The weights with each segment's stacked [L, ...] leaves split into a list of L per-layer pytrees, each
+    leaf its own buffer on the same devices (sharded like the stacked leaf, less the layer axis).
+
+    forward() unrolls such segments. The engine does this on CPU: XLA:CPU copies each layer's weights out
+    of the stack on every step of a lax.scan (a dynamic slice feeding a matmul), which made the bench
+    model's decode step 8x slower in bf16; accelerators read the slice in place and keep the scan.
+    """
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    def layer_sharding(a):
+        s = a.sharding
+        return NamedSharding(s.mesh, P(*tuple(s.spec)[1:])) if isinstance(s, NamedSharding) else s
+
+    segments = []
+    for seg in weights["segments"]:
+        count = jax.tree.leaves(seg)[0].shape[0]
+        split = jax.jit(lambda seg: [jax.tree.map(lambda a: a[i], seg) for i in range(count)],
+                        out_shardings=[jax.tree.map(layer_sharding, seg)] * count)
+        segments.append(split(seg))
+    return {**weights, "segments": segments}

@@ -1,11 +1,17 @@
-"""Expert parallelism: the MoE block under `jax.shard_map`, dropless, with replicated tokens.
+"""Expert parallelism: the MoE block under `jax.shard_map`, dropless; expert weights never move.
 
 Each device holds E / n experts (n = the product of the mesh axes that "experts" maps to). Inside the
-shard_map every device routes all tokens of its batch shard (the router is replicated), computes only the
-assignments to its own experts (layers.routed_experts), and a psum over the expert axes adds the shares
-up; when "experts" also spans the batch axis the tokens are all-gathered first and the sum is
-psum-scattered back. No token is ever dropped and expert weights never move: only activations do.
-This path needs no ragged all-to-all, so it runs on every backend (XLA:CPU has none, ANCHORS P4).
+shard_map every device routes all tokens of its batch shard (the router is replicated; when "experts" also
+spans the batch axis the tokens are all-gathered first and the result psum-scattered back). Then one of
+two dispatches (EP_DISPATCH):
+- "replicated": each device computes the assignments to its own experts for every token
+  (layers.routed_experts) and a psum over the expert axes adds the shares up. Needs no all-to-all; the
+  default on CPU, where it is also the cheaper one.
+- "all_to_all": each device takes 1/n of the tokens, sends each assignment's row to the device that owns
+  its expert with a ragged all-to-all, runs the grouped matmul on what it received, sends the results back
+  the same way and all-gathers the combined rows. The default on GPU and TPU: a device computes only
+  routed rows and the traffic follows the routing. The receive buffer holds the worst case (every token's
+  assignments to this device's experts), so nothing is dropped whatever the load.
 """
 
 from __future__ import annotations
@@ -16,18 +22,29 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from ernie_jax.config import ErnieConfig
-from ernie_jax.model.layers import route, routed_experts, shared_experts
+from ernie_jax.model.layers import grouped_swiglu, route, routed_experts, shared_experts
+from ernie_jax.sharding.collectives import axis_linear_index, ragged_all_to_all
 from ernie_jax.sharding.rules import LEAF_AXES, ShardingError, ShardingPlan
 
-
-def _linear_index(axes: tuple[str, ...], plan: ShardingPlan) -> jax.Array:
-    idx = jnp.int32(0)
-    for a in axes:
-        idx = idx * plan.size_of((a,)) + lax.axis_index(a)
-    return idx
+# "auto": all_to_all where the backend has a ragged all-to-all (not XLA:CPU), else replicated. Tests set
+# "all_to_all" to run that path on CPU (through collectives.py's all-gather equivalent).
+EP_DISPATCH = "auto"
 
 
-def moe_ep(x: jax.Array, w: dict, cfg: ErnieConfig, plan: ShardingPlan) -> tuple[jax.Array, jax.Array]:
+def _dispatch() -> str:
+    if EP_DISPATCH != "auto":
+        return EP_DISPATCH
+    return "replicated" if jax.default_backend() == "cpu" else "all_to_all"
+
+
+def _my_rows(a: jax.Array, axes: tuple[str, ...], plan: ShardingPlan) -> jax.Array:
+    """This device's block of the leading axis of a, split over `axes` (the inverse of a tiled all_gather)."""
+    rows = a.shape[0] // plan.size_of(axes)
+    return lax.dynamic_slice_in_dim(a, axis_linear_index(axes) * rows, rows, axis=0)
+
+
+def moe_ep(x: jax.Array, w: dict, cfg: ErnieConfig, plan: ShardingPlan, batch_invariant: bool = False
+           ) -> tuple[jax.Array, jax.Array]:
     """x [B,T,H] (batch sharded per the rules) -> (y [B,T,H], expert ids [B*T,k])."""
     expert_axes = plan.axes_of("experts")
     batch_axes = tuple(a for a in plan.axes_of("batch") if plan.size_of((a,)) > 1)
@@ -41,6 +58,7 @@ def moe_ep(x: jax.Array, w: dict, cfg: ErnieConfig, plan: ShardingPlan) -> tuple
     gather = tuple(a for a in batch_axes if a in expert_axes)
     reduce = tuple(a for a in expert_axes if a not in gather)
     local = cfg.moe_num_experts // n
+    a2a = _dispatch() == "all_to_all" and n > 1
     bspec = (batch_axes if len(batch_axes) > 1 else batch_axes[0]) if batch_axes else None
 
     def body(x, router, bias, up_gate, down):
@@ -49,20 +67,23 @@ def moe_ep(x: jax.Array, w: dict, cfg: ErnieConfig, plan: ShardingPlan) -> tuple
         b, t, h = x.shape
         x2 = x.reshape(b * t, h)
         weights, ids = route(x2, router, bias, cfg)
-        y = routed_experts(x2, weights, ids, up_gate, down, cfg.moe_num_experts,
-                           _linear_index(expert_axes, plan) * local)
+        if a2a:
+            y = _all_to_all_experts(x2, weights, ids, up_gate, down, expert_axes, n)
+        else:
+            y = routed_experts(x2, weights, ids, up_gate, down, cfg.moe_num_experts,
+                               axis_linear_index(expert_axes) * local, batch_invariant)
         y = y.reshape(b, t, h)
         ids = ids.reshape(b, t, -1)
-        if reduce:
+        if not a2a and reduce:  # a2a: y is already the whole sum, the same on every device
             y = lax.psum(y, reduce)
         if gather:
-            y = lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True)
-            ids = lax.dynamic_slice_in_dim(ids, _linear_index(gather, plan) * (b // plan.size_of(gather)),
-                                           b // plan.size_of(gather), axis=0)
+            y = _my_rows(y, gather, plan) if a2a else lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True)
+            ids = _my_rows(ids, gather, plan)
         return y, ids
 
     espec = lambda name, leaf: plan.spec(LEAF_AXES[name], tuple(leaf.shape), name)  # noqa: E731
-    in_specs = (P(bspec, None, None), P(), P(), jax.tree.map(lambda a: espec("experts_up_gate", a), w["experts_up_gate"]),
+    in_specs = (P(bspec, None, None), P(), P(),
+                jax.tree.map(lambda a: espec("experts_up_gate", a), w["experts_up_gate"]),
                 jax.tree.map(lambda a: espec("experts_down", a), w["experts_down"]))
     y, ids = jax.shard_map(body, mesh=plan.mesh, in_specs=in_specs, out_specs=(P(bspec, None, None),
                                                                                P(bspec, None, None)),
@@ -71,3 +92,53 @@ def moe_ep(x: jax.Array, w: dict, cfg: ErnieConfig, plan: ShardingPlan) -> tuple
     if "shared_up_gate" in w:  # outside the shard_map: sharded by the rules like any dense FFN
         y = y + shared_experts(x2, w, plan).reshape(y.shape)
     return y, ids.reshape(-1, ids.shape[-1])
+
+
+def _all_to_all_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, up_gate, down, axes: tuple[str, ...],
+                        n: int) -> jax.Array:
+    """The routed-expert output for x [T,H] (the same T tokens on each of the n devices of `axes`), computed
+    by the devices that own the experts: each device dispatches T/n tokens' assignments and returns its
+    share of the rows, all-gathered into [T,H]. weights, ids [T,k]; up_gate/down hold E_local experts."""
+    T, H = x.shape
+    k = ids.shape[1]
+    local = up_gate.shape[0]
+    t = -(-T // n)  # tokens per device; padding tokens fill T up to n*t with zero weights and, like real
+    pad = n * t - T  # tokens, k distinct experts (so the receive-capacity bound below holds for them too)
+    x, weights = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, weights))
+    ids = jnp.concatenate([ids, jnp.broadcast_to(jnp.arange(k, dtype=ids.dtype), (pad, k))])
+    me = axis_linear_index(axes)
+    x, weights, ids = (lax.dynamic_slice_in_dim(a, me * t, t) for a in (x, weights, ids))
+    # Send side: my assignments sorted by expert, hence by owning device.
+    flat = ids.reshape(-1)  # [t*k]
+    order = jnp.argsort(flat, stable=True)
+    rows = x[order // k]
+    counts = jnp.bincount(flat, length=n * local).reshape(n, local).astype(jnp.int32)  # [dst, local expert]
+    send = jnp.sum(counts, axis=1)
+    send_offsets = jnp.cumsum(send) - send
+    every = lax.all_gather(counts, axes, axis=0)  # [src, dst, local expert]: all devices' counts, tiny
+    sizes = jnp.sum(every, axis=2)  # [src, dst]
+    slot_in_dst = jnp.cumsum(sizes, axis=0) - sizes  # where src's rows start in dst's receive buffer
+    recv = sizes[:, me]
+    recv_offsets = slot_in_dst[:, me]
+    capacity = n * t * min(k, local)  # worst case: every token sends min(k, E_local) rows here
+    got = ragged_all_to_all(rows, jnp.zeros((capacity, H), x.dtype), send_offsets, send, slot_in_dst[me], recv,
+                            axis_name=axes)
+    # Receive side: rows arrive by source, each source's sorted by my local expert; regroup by expert.
+    mine = every[:, me, :]  # [src, local expert]
+    ends = jnp.cumsum(mine.reshape(-1))
+    row = jnp.arange(capacity)
+    expert = jnp.where(row < ends[-1], jnp.searchsorted(ends, row, side="right") % local, local)
+    by_expert = jnp.argsort(expert, stable=True)
+    ys = grouped_swiglu(got[by_expert], up_gate, down, jnp.sum(mine, axis=0))
+    ys = jnp.zeros_like(ys).at[by_expert].set(ys)  # back to arrival order
+    # Results return to their senders at the offsets the rows left from.
+    back = ragged_all_to_all(ys, jnp.zeros((t * k, H), x.dtype), recv_offsets, recv, _offsets_at_sources(sizes, me),
+                             send, axis_name=axes)
+    y = jnp.zeros_like(back).at[order].set(back).reshape(t, k, H)
+    y = jnp.einsum("tkh,tk->th", y, weights.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+    return lax.all_gather(y, axes, axis=0, tiled=True)[:T]
+
+
+def _offsets_at_sources(sizes: jax.Array, me: jax.Array) -> jax.Array:
+    """For each source device i, where its rows for device `me` started in i's send buffer. sizes [src, dst]."""
+    return (jnp.cumsum(sizes, axis=1) - sizes)[:, me]
