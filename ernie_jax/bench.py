@@ -64,7 +64,7 @@ def offline(args) -> int:
     llm = LLM(model, dtype=args.dtype, max_model_len=args.input_len + args.output_len,
               max_num_seqs=args.max_num_seqs or args.num_prompts, mesh=args.mesh, prefill_devices=args.prefill_devices,
               disaggregate=not args.no_disaggregate, kv_cache_dtype=args.kv_cache_dtype,
-              prefill_chunk=max(16, args.input_len))
+              prefill_chunk=args.max_num_batched_tokens)
     startup = time.perf_counter() - t0
     cfg = llm.model.config
     rng = np.random.default_rng(0)
@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     off.add_argument("--input-len", type=int, default=128)
     off.add_argument("--output-len", type=int, default=128)
     off.add_argument("--max-num-seqs", type=int, default=None, help="default: --num-prompts")
+    off.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                     help="prompt tokens per prefill step (several prompts' chunks batch up to it)")
     off.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
                      help="weights and activations of both stacks (--compare-hf runs HF in the same dtype)")
     off.add_argument("--kv-cache-dtype", default="auto")

@@ -39,6 +39,8 @@ class LLM:
     mesh: None (one device) or a device count / mesh spec; with `disaggregate` (default) prefill runs on
     the first `prefill_devices` (default half) and decode on the others, each with its own weight copy.
     max_num_seqs: the decode batch limit; max_model_len: prompt + output limit (default min(model's, 2048)).
+    prefill_chunk: prompt tokens per prefill step (vLLM's max_num_batched_tokens): a long prompt is prefilled
+    in chunks of up to this many tokens, and short prompts batch together up to it.
     compilation_cache_dir: JAX's persistent compilation cache (None: off; an already configured one wins).
     batch_invariant: decode at one batch shape, so a request's tokens never depend on its batch (Engine).
     background_compile: return when one bucket per program is compiled; the rest compile behind (Engine).

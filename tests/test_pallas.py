@@ -106,7 +106,7 @@ def run_with_kernels(monkeypatch, fn, *args):
     for name in ("block_fp8_matmul_pallas", "grouped_block_fp8_matmul_pallas", "paged_attention_pallas"):
         real = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, _real=real, _name=name, **k: used.add(_name) or _real(*a, **k))
-    monkeypatch.setattr(kernels, "use_kernels", lambda plan: plan is None)
+    monkeypatch.setattr(kernels, "use_kernels", lambda: True)
     monkeypatch.setattr(kernels, "resolve", lambda impl: impl or "pallas")
     monkeypatch.setattr(layers, "EXPERT_IMPL", "ragged")
     jax.clear_caches()
@@ -141,13 +141,15 @@ def test_model_runs_through_the_kernels(monkeypatch, golden):
 
 
 @pytest.mark.parametrize("mesh, kernels_used", [
-    ("data=1,expert=8,tensor=1", {"grouped_block_fp8_matmul_pallas", "paged_attention_pallas"}),
+    ("data=1,expert=8,tensor=1", {"block_fp8_matmul_pallas", "grouped_block_fp8_matmul_pallas",
+                                  "paged_attention_pallas"}),  # linears unsplit: whole on each device
     ("data=1,expert=4,tensor=2", {"grouped_block_fp8_matmul_pallas", "paged_attention_pallas"}),
     ("data=2,expert=2,tensor=2", {"grouped_block_fp8_matmul_pallas"}),  # pages split by data: XLA attention
 ])
-def test_sharded_programs_use_kernels_only_where_unpartitioned(monkeypatch, golden, mesh, kernels_used):
-    """Under a mesh, GSPMD-partitioned linears keep the XLA paths; the expert matmul inside the
-    expert-parallel shard_map and attention per device over its KV heads take the kernels."""
+def test_sharded_programs_use_kernels_where_shards_allow(monkeypatch, golden, mesh, kernels_used):
+    """Under a mesh the expert matmul inside the expert-parallel shard_map and attention per device over its
+    KV heads take the kernels; this model's linears (hidden 64) do not split over a tensor axis into whole
+    128-blocks per device, so there they keep the XLA path."""
     from ernie_jax import load_pretrained
     from tests.conftest import GOLDEN
     g = golden("shared_untied")
@@ -162,4 +164,22 @@ def test_sharded_programs_use_kernels_only_where_unpartitioned(monkeypatch, gold
     ref = decode(model)
     out, used = run_with_kernels(monkeypatch, decode, model)
     assert used == kernels_used
+    assert np.abs(out - ref).max() < 1e-3 * np.abs(ref).max()
+
+
+def test_sharded_fp8_linears_run_the_kernel_per_device(monkeypatch):
+    """The embedded FP8 model (hidden 256) on tensor=2: qkv and up_gate split by output columns, o and down
+    by input rows, each into whole 128-blocks, so every linear runs the block-FP8 kernel on its shard
+    (row-parallel ones add the partial products with a psum) and matches the XLA partitioned path."""
+    from ernie_jax import load_pretrained
+    from ernie_jax.assets import EMBEDDED_MODEL_DIR
+    model = load_pretrained(EMBEDDED_MODEL_DIR, dtype=jnp.float32, mesh="data=1,expert=4,tensor=2")
+    ids = np.array([[5, 17, 300, 42, 7]], np.int32)
+
+    def logits(m):
+        return np.asarray(m.forward(ids, np.arange(5)[None], m.init_cache(1, 16)).logits)
+    jax.clear_caches()
+    ref = logits(model)
+    out, used = run_with_kernels(monkeypatch, logits, model)
+    assert used == {"block_fp8_matmul_pallas", "grouped_block_fp8_matmul_pallas", "paged_attention_pallas"}
     assert np.abs(out - ref).max() < 1e-3 * np.abs(ref).max()

@@ -1,7 +1,8 @@
 """AsyncEngine: the engine stepped by one background thread, with asyncio streams per request.
 
 `add_request` validates at once (a bad request raises and nothing is queued) and returns an async
-iterator of RequestOutput snapshots, one per generated token, the last with `finished=True`. `abort`
+iterator of RequestOutput snapshots, one per generated token, the last with `finished=True`. Snapshots
+are taken on the stepping thread as each token lands, so a slow consumer still sees every step. `abort`
 cancels a request and frees its pages at the next step boundary. All engine state is touched only by the
 stepping thread; other threads hand it work through a queue.
 """
@@ -31,7 +32,7 @@ class AsyncEngine:
         self.engine = engine
         self.on_finish = on_finish
         self._inbox: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, str | None]] = {}
         self._wake = threading.Event()
         self._stop = False
         self._lock = threading.Lock()  # add_request's validation and id check vs the stepping thread
@@ -45,18 +46,18 @@ class AsyncEngine:
             request_id = self.engine.add_request(prompt_ids, params, request_id)
             req = self.engine.requests[request_id]
             stream: asyncio.Queue = asyncio.Queue()
-            self._streams[request_id] = (loop, stream)
+            self._streams[request_id] = (loop, stream, prompt)
         self._wake.set()
-        return self._iterate(req, prompt, stream)
+        return self._iterate(req, stream)
 
-    async def _iterate(self, req: Request, prompt: str | None, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    async def _iterate(self, req: Request, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         try:
             while True:
-                finished = await stream.get()
-                if isinstance(finished, BaseException):
-                    raise EngineError(f"the engine failed while serving {req.request_id}: {finished!r}") from finished
-                yield request_output(req, prompt, [completion(req)], finished)
-                if finished:
+                out = await stream.get()
+                if isinstance(out, BaseException):
+                    raise EngineError(f"the engine failed while serving {req.request_id}: {out!r}") from out
+                yield out
+                if out.finished:
                     return
         finally:
             if not req.finished:  # the consumer went away (client disconnect): free the pages
@@ -80,8 +81,9 @@ class AsyncEngine:
             self.on_finish(req)
         target = self._streams.get(req.request_id)
         if target is not None:
-            loop, stream = target
-            loop.call_soon_threadsafe(stream.put_nowait, error or req.finished)
+            loop, stream, prompt = target
+            out = error or request_output(req, prompt, [completion(req)], req.finished)
+            loop.call_soon_threadsafe(stream.put_nowait, out)
             if req.finished:
                 self._streams.pop(req.request_id, None)
 

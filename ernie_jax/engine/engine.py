@@ -1,10 +1,12 @@
 """The serving engine: continuous batching over paged KV pools, with prefill/decode disaggregation.
 
-`Engine.step()` admits waiting requests whose pages are free (FIFO), runs one prefill chunk of the oldest
-admitted request, and one decode step for every running request; requests join and leave the decode batch
-at every step. Disaggregated (`prefill_devices` < mesh size): prefill runs on the first devices with its own
-copy of the weights and its own pool, decode on the rest; when a prompt is done its pages move to the
-decode pool in one batched transfer. Prefill and decode are dispatched before either result is read, so on
+`Engine.step()` admits waiting requests whose pages are free (FIFO), runs one prefill step (the oldest
+admitted request's next chunk, batched with the next ones whose chunks fit the same length bucket, up to
+`prefill_chunk` tokens: vLLM's max_num_batched_tokens), and one decode step for every running request;
+requests join and leave the decode batch at every step. Disaggregated (`prefill_devices` < mesh size):
+prefill runs on the first devices with its own copy of the weights and its own pool (one prompt at a
+time), decode on the rest; when a prompt is done its pages move to the decode pool in one batched
+transfer. Prefill and decode are dispatched before either result is read, so on
 disjoint devices they overlap. Colocated: both programs share one mesh and one pool.
 A request stops on EOS (unless ignore_eos), a stop token or string, max_tokens or max_model_len; `abort`
 frees its pages at once. Bad requests raise `RequestError` at `add_request` and leave the engine serving.
@@ -22,7 +24,7 @@ import jax
 import numpy as np
 
 from ernie_jax.engine.pages import PageAllocator
-from ernie_jax.engine.programs import ModelPrograms, PageTransfer, buckets
+from ernie_jax.engine.programs import ModelPrograms, PageTransfer, buckets, prefill_shapes
 from ernie_jax.model.ernie import ErnieForCausalLM
 from ernie_jax.sampling import SamplingParams
 from ernie_jax.tokenizer import IncrementalDetokenizer
@@ -92,10 +94,10 @@ class Engine:
                  batch_invariant: bool = False, background_compile: bool = False):
         """model: the decode-side model (placed on its mesh). prefill_model: the same weights on a disjoint
         mesh for disaggregated prefill, or None to prefill with `model` (colocated).
-        batch_invariant: decode every batch at one shape (max_num_seqs rows), so a request's tokens do not
-        depend on what else is running. Matmul kernels pick their reduction order by shape, so with several
-        batch buckets a near-tie in greedy decoding can resolve differently alone and in a batch; prefill
-        is per request and always invariant.
+        batch_invariant: decode every batch at one shape (max_num_seqs rows) and prefill one prompt at a
+        time, so a request's tokens do not depend on what else is running. Matmul kernels pick their
+        reduction order by shape, so with several batch shapes a near-tie in greedy decoding can resolve
+        differently alone and in a batch.
         background_compile: return once the largest bucket of each program compiled; the others compile
         in the background (a server is up sooner; small batches run padded until their bucket is ready)."""
         self.cfg = model.config
@@ -105,10 +107,11 @@ class Engine:
         self.prefill_chunk = min(prefill_chunk, self.max_pages * page_size)
         self.eos_token_ids, self.tokenizer = frozenset(eos_token_ids), tokenizer
         t0 = time.perf_counter()
+        chunks = buckets(self.prefill_chunk, 16)
         self.decoder = ModelPrograms(model, num_pages=num_pages, page_size=page_size,
                                      max_pages_per_seq=self.max_pages, kv_cache_dtype=kv_cache_dtype,
                                      prefill_buckets=[] if prefill_model is not None else
-                                     buckets(self.prefill_chunk, 16),
+                                     prefill_shapes(chunks, prefill_chunk, 1 if batch_invariant else max_num_seqs),
                                      decode_buckets=[max_num_seqs] if batch_invariant else buckets(max_num_seqs),
                                      name="decode" if prefill_model is not None else "colocated",
                                      batch_invariant=batch_invariant)
@@ -116,7 +119,8 @@ class Engine:
         if prefill_model is not None:
             self.prefiller = ModelPrograms(prefill_model, num_pages=self.max_pages + 1, page_size=page_size,
                                            max_pages_per_seq=self.max_pages, kv_cache_dtype=kv_cache_dtype,
-                                           prefill_buckets=buckets(self.prefill_chunk, 16), decode_buckets=[],
+                                           prefill_buckets=prefill_shapes(chunks, self.prefill_chunk, 1),
+                                           decode_buckets=[],
                                            name="prefill", batch_invariant=batch_invariant)
             self.prefill_allocator = PageAllocator(self.max_pages + 1, page_size)
             self.transfer = PageTransfer(self.prefiller, self.decoder)
@@ -227,6 +231,25 @@ class Engine:
             req.metrics.first_scheduled_time = time.perf_counter()
             self.prefilling.append(req)
 
+    def _prefill_rows(self) -> tuple[list[tuple[Request, int, list[int]]], int, int]:
+        """This step's prefill chunks: the first prefilling request's next chunk sets the length bucket T,
+        and the next requests whose chunks fit T join it, up to the largest batch compiled for T (so at most
+        max_num_batched_tokens tokens). Returns ([(request, start, chunk)], T, B)."""
+        def next_chunk(req):
+            return req.prompt_ids[req.num_prefilled:req.num_prefilled + self.prefill_chunk]
+        first = self.prefilling[0]
+        T = self.prefiller.bucket("prefill", len(next_chunk(first)))
+        rows = [(first, first.num_prefilled, next_chunk(first))]
+        sizes = self.prefiller.prefill_batches(T)
+        if first.params.prompt_logprobs is None:
+            for req in self.prefilling[1:]:
+                if len(rows) == sizes[-1]:
+                    break
+                chunk = next_chunk(req)
+                if req.params.prompt_logprobs is None and len(chunk) <= T:
+                    rows.append((req, req.num_prefilled, chunk))
+        return rows, T, next(b for b in sizes if b >= len(rows))
+
     def _table(self, pages: list[int]) -> np.ndarray:
         return np.asarray(pages + [0] * (self.max_pages - len(pages)), np.int32)
 
@@ -286,28 +309,32 @@ class Engine:
         touched: list[Request] = []
         pending, counts, scored = [], [], []
         if self.prefilling:
-            req = self.prefilling[0]
-            start = req.num_prefilled
-            chunk = req.prompt_ids[start:start + self.prefill_chunk]
-            T = self.prefiller.bucket("prefill", len(chunk))
-            ids = np.zeros((1, T), np.int32)
-            ids[0, :len(chunk)] = chunk
-            positions = (start + np.arange(T, dtype=np.int32))[None]
-            table = self._table(req.prefill_pages if self.disaggregated else req.pages)[None]
-            last = np.asarray([len(chunk) - 1], np.int32)
+            rows, T, B = self._prefill_rows()
+            ids, positions = np.zeros((B, T), np.int32), np.tile(np.arange(T, dtype=np.int32), (B, 1))
+            tables = np.zeros((B, self.max_pages), np.int32)  # padding rows write the null page 0
+            last = np.full(B, -1, np.int32)  # -1: a padding row, no real token
+            for i, (req, start, chunk) in enumerate(rows):
+                ids[i, :len(chunk)] = chunk
+                positions[i] += start
+                tables[i] = self._table(req.prefill_pages if self.disaggregated else req.pages)
+                last[i] = len(chunk) - 1
             t0 = time.perf_counter()
-            if req.params.prompt_logprobs is not None:
+            req, start, chunk = rows[0]
+            if req.params.prompt_logprobs is not None:  # a scored chunk runs alone
                 targets = req.prompt_ids[start + 1:start + 1 + len(chunk)]  # the token after each position
                 padded = np.asarray([targets + [0] * (T - len(targets))], np.int32)
-                logits, c, scores = self.prefiller.run_scored(ids, positions, last, table, padded)
+                logits, c, scores = self.prefiller.run_scored(ids, positions, last, tables, padded)
                 scored.append((req, start, targets, scores))
             else:
-                logits, c = self.prefiller.run("prefill", ids, positions, last, table)
+                logits, c = self.prefiller.run("prefill", ids, positions, last, tables)
             counts.append(c)
-            req.num_prefilled += len(chunk)
-            if req.num_prefilled == len(req.prompt_ids):
-                arrays, nlp = self._sampling_arrays([req], 1, [0])
-                pending.append(("prefill", [req], self.prefiller.sample(logits, arrays, nlp), t0))
+            done = []  # rows whose prompt is now complete get their first token
+            for req, start, chunk in rows:
+                req.num_prefilled += len(chunk)
+                done.append(req if req.num_prefilled == len(req.prompt_ids) else None)
+            if any(done):
+                arrays, nlp = self._sampling_arrays([r for r, _, _ in rows], B, [0] * len(rows))
+                pending.append(("prefill", done, self.prefiller.sample(logits, arrays, nlp), t0))
         if self.running:
             reqs = list(self.running)
             B = self.decoder.bucket("decode", len(reqs))
@@ -329,7 +356,7 @@ class Engine:
             tokens, lps, top_ids, top_lps = jax.device_get(result)
             self.busy_seconds[kind] += time.perf_counter() - t0
             for i, req in enumerate(reqs):
-                if req.finished:  # aborted meanwhile
+                if req is None or req.finished:  # a prefill row mid-prompt, or aborted meanwhile
                     continue
                 if kind == "prefill":
                     self.prefilling.remove(req)

@@ -1,16 +1,16 @@
 """The compiled programs of one (sub)mesh: chunked prefill and batched decode over a paged KV pool.
 
 `ModelPrograms` holds a model's weights placed on its mesh, the KV page pool of that mesh, and one
-ahead-of-time compiled executable per bucket: prefill per chunk length T (a [1,T] chunk written into the
-pool through the request's block table, logits at the chunk's last real token), decode per batch size B
-(one token for each of B sequences). Every executable donates the pool and has explicit input and output
-shardings, so the pool is updated in place and never leaves its devices. `compile_report` lists buckets
-and seconds (programs compile in parallel, so the seconds overlap). The constructor compiles the largest
-bucket of each kind, which serves any request; `compile_rest` the others, which the engine uses from the
-moment each is ready (so they can compile behind a serving engine). A prefill variant that also returns
-prompt logprobs compiles on first use. Every program also counts the tokens routed to each expert of each
-MoE layer (the server's load metrics). The page transfer between two pools (prefill/decode
-disaggregation) lives here too.
+ahead-of-time compiled executable per bucket: prefill per shape (B, T) (B prompt chunks of up to T
+tokens, each written into the pool through its request's block table, logits at each chunk's last real
+token), decode per batch size B (one token for each of B sequences). Every executable donates the pool
+and has explicit input and output shardings, so the pool is updated in place and never leaves its
+devices. `compile_report` lists buckets and seconds (programs compile in parallel, so the seconds
+overlap). The constructor compiles the largest bucket of each kind, which serves any request;
+`compile_rest` the others, which the engine uses from the moment each is ready (so they can compile
+behind a serving engine). A prefill variant that also returns prompt logprobs compiles on first use.
+Every program also counts the tokens routed to each expert of each MoE layer (the server's load
+metrics). The page transfer between two pools (prefill/decode disaggregation) lives here too.
 """
 
 from __future__ import annotations
@@ -77,6 +77,21 @@ def buckets(limit: int, start: int = 1) -> list[int]:
     return out + [limit]
 
 
+def prefill_shapes(chunk_lengths: list[int], token_budget: int, max_seqs: int) -> list[tuple[int, int]]:
+    """Prefill program shapes (B, T): one chunk of each length T, and for each T the largest power-of-two
+    batch of chunks that fits the token budget (max_num_batched_tokens) and max_seqs, so a burst of short
+    prompts prefills in a few steps instead of one step each."""
+    out = []
+    for T in chunk_lengths:
+        out.append((1, T))
+        b = 1
+        while 2 * b * T <= token_budget and 2 * b <= max_seqs:
+            b *= 2
+        if b > 1:
+            out.append((b, T))
+    return out
+
+
 def compile_all(jobs: dict[Any, Callable[[], Any]], on_done: Callable[[Any, Any, float], None],
                 workers: int | None = None) -> None:
     """Run compile jobs on a thread pool (XLA compiles without the GIL, so start-up uses every core) and
@@ -92,8 +107,9 @@ def compile_all(jobs: dict[Any, Callable[[], Any]], on_done: Callable[[Any, Any,
 
 class ModelPrograms:
     def __init__(self, model: ErnieForCausalLM, *, num_pages: int, page_size: int, max_pages_per_seq: int,
-                 kv_cache_dtype: str, prefill_buckets: list[int], decode_buckets: list[int], name: str,
+                 kv_cache_dtype: str, prefill_buckets: list[tuple[int, int]], decode_buckets: list[int], name: str,
                  batch_invariant: bool = False):
+        """prefill_buckets: (B, T) shapes, with (1, T) for every chunk length T; decode_buckets: batch sizes."""
         self.cfg, self.plan, self.name = model.config, model.plan, name
         self.weights = model.weights()
         if next(iter(jax.tree.leaves(self.weights)[0].devices())).platform == "cpu":
@@ -126,17 +142,17 @@ class ModelPrograms:
                                   out_shardings=(rep, self.cache_shardings, rep, rep))
         self._score: dict[int, Any] = {}  # scoring prefill per chunk length, compiled on first use
         self._programs: dict[tuple[str, int], Any] = {}
-        self.ready: dict[str, list[int]] = {"prefill": [], "decode": []}  # compiled buckets, ascending
-        lowered = {("prefill", T): self._lower(self._jit, 1, T) for T in prefill_buckets}
+        self.ready: dict[str, list] = {"prefill": [], "decode": []}  # compiled buckets, ascending
+        lowered = {("prefill", (B, T)): self._lower(self._jit, B, T) for B, T in prefill_buckets}
         lowered.update({("decode", B): self._lower(self._jit, B, 1) for B in decode_buckets})
 
         def job(key):
             exe = lowered[key].compile()
-            self._warm_sampler(1 if key[0] == "prefill" else key[1])
+            self._warm_sampler(key[1][0] if key[0] == "prefill" else key[1])
             return exe
-        # The largest bucket of each kind serves any request (padded), so those compile first; the rest
-        # compile in compile_rest(), now or behind a serving engine.
-        largest = {("prefill", max(prefill_buckets))} if prefill_buckets else set()
+        # The largest single-chunk prefill and the largest decode batch serve any request (padded), so those
+        # compile first; the rest compile in compile_rest(), now or behind a serving engine.
+        largest = {("prefill", (1, max(T for _, T in prefill_buckets)))} if prefill_buckets else set()
         largest |= {("decode", max(decode_buckets))} if decode_buckets else set()
         self.pending = len(lowered)  # buckets not compiled yet
         compile_all({k: functools.partial(job, k) for k in largest}, self._publish)
@@ -156,11 +172,19 @@ class ModelPrograms:
         self._programs[key] = exe
         self.ready[kind] = sorted(self.ready[kind] + [size])  # a new list: the engine thread reads it unlocked
         self.pending -= 1
-        self.report.append((f"{self.name} {kind}", size, seconds))
+        label = size if kind == "decode" else size[1] if size[0] == 1 else f"{size[0]}x{size[1]}"
+        self.report.append((f"{self.name} {kind}", label, seconds))
 
     def bucket(self, kind: str, n: int) -> int:
-        """The smallest compiled bucket of `kind` that holds n tokens (prefill) or sequences (decode)."""
+        """The smallest compiled bucket that holds n tokens (prefill: the chunk length T of a single-chunk
+        program) or n sequences (decode)."""
+        if kind == "prefill":
+            return next(T for B, T in self.ready["prefill"] if B == 1 and T >= n)
         return next(b for b in self.ready[kind] if b >= n)
+
+    def prefill_batches(self, T: int) -> list[int]:
+        """The compiled prefill batch sizes for chunk length T, ascending (1 always among them)."""
+        return [B for B, t in self.ready["prefill"] if t == T]
 
     def executables(self, kind: str) -> list:
         return [exe for (k, _), exe in self._programs.items() if k == kind]
@@ -187,7 +211,7 @@ class ModelPrograms:
     def run(self, kind: str, ids, positions, logit_positions, block_tables) -> tuple[jax.Array, jax.Array]:
         """One prefill chunk or decode step; returns (logits, expert token counts), both on device."""
         B, T = ids.shape
-        fn = self._programs[kind, T if kind == "prefill" else B]
+        fn = self._programs[kind, (B, T) if kind == "prefill" else B]
         ids, positions, logit_positions, block_tables = self.put((ids, positions, logit_positions, block_tables))
         logits, self.cache, counts = fn(self.weights, ids, positions, self.cache, logit_positions, block_tables)
         return logits, counts

@@ -40,7 +40,7 @@ def _constrain(x, plan, logical):
 def attention_block(x, w, cfg: ErnieConfig, positions, seg_cache=None, layer=None, block_tables=None, plan=None):
     """x [B,T,H] -> ([B,T,H], the segment's cache with this layer's new slots written, or None)."""
     B, T, _ = x.shape
-    qkv = linear(x, w["qkv"], plan)
+    qkv = linear(x, w["qkv"], plan, "qkv")
     q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
     q = rope(q.reshape(B, T, cfg.num_attention_heads, cfg.head_dim), positions, cfg.rope_theta,
              cfg.compression_ratio)
@@ -59,7 +59,7 @@ def attention_block(x, w, cfg: ErnieConfig, positions, seg_cache=None, layer=Non
         out = None
         if plan is not None:
             out = paged_attention_sharded(*args, plan)
-        elif kernels.use_kernels(None):
+        elif kernels.use_kernels():
             out = kernels.paged_attention(*args)
         if out is not None:
             out = out.reshape(B, T, -1)
@@ -69,7 +69,7 @@ def attention_block(x, w, cfg: ErnieConfig, positions, seg_cache=None, layer=Non
             ck, cv = (_constrain(x, plan, KV_HEADS) for x in kvc.read(seg_cache, layer, block_tables, q.dtype))
             slots = jnp.broadcast_to(jnp.arange(ck.shape[1]), (B, ck.shape[1]))
             out = attention(q, ck, cv, positions, slots)
-    return linear(out, w["o"], plan), seg_cache
+    return linear(out, w["o"], plan, "o"), seg_cache
 
 
 def decoder_layer(h, w, kind: str, cfg: ErnieConfig, positions, seg_cache=None, layer=None, block_tables=None,

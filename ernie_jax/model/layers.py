@@ -19,18 +19,25 @@ from jax import lax
 from ernie_jax.config import ErnieConfig
 from ernie_jax import pallas as kernels
 from ernie_jax.quant import BlockFP8, fp8_linear, fp8_ragged_dot
+from ernie_jax.sharding.linear import fp8_linear_sharded
 
 _NEG_INF = -1e30
 
 
-def linear(x: jax.Array, w, plan=None) -> jax.Array:
+def linear(x: jax.Array, w, plan=None, leaf: str | None = None) -> jax.Array:
     """y = x @ w with w in the Paddle [in, out] orientation; the one place matmul numerics are chosen.
-    `plan`: the ShardingPlan when x and w are GSPMD-sharded (kernels are then not used: a pallas_call is
-    not partitioned); None for unsharded code and inside shard_map."""
+    `plan`: the ShardingPlan when x and w are GSPMD-sharded, with `leaf` the weights-pytree name that says
+    how w is split (block-FP8 weights then run the kernel per device, sharding/linear.py); None for
+    unsharded code and inside shard_map."""
     if isinstance(w, BlockFP8):
-        if w.compute == "w8a8" and w.values.ndim == 2 and kernels.use_kernels(plan):
-            y = kernels.block_fp8_matmul(x.reshape(-1, x.shape[-1]), w.values, w.scales)
-            return y.reshape(*x.shape[:-1], y.shape[-1])
+        if w.compute == "w8a8" and w.values.ndim == 2:
+            if plan is None and kernels.use_kernels():
+                y = kernels.block_fp8_matmul(x.reshape(-1, x.shape[-1]), w.values, w.scales)
+                return y.reshape(*x.shape[:-1], y.shape[-1])
+            if plan is not None and leaf is not None:
+                y = fp8_linear_sharded(x, w, plan, leaf)
+                if y is not None:
+                    return y
         return fp8_linear(x, w)
     return jnp.einsum("...i,io->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
 
@@ -71,10 +78,11 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos:
 
 
 def swiglu(x: jax.Array, up_gate: jax.Array, down: jax.Array, plan=None) -> jax.Array:
-    """Paddle's fused `up_gate_proj` holds [gate | up] despite its name."""
-    u = linear(x, up_gate, plan)
+    """Paddle's fused `up_gate_proj` holds [gate | up] despite its name. (Shared experts are split like the
+    dense FFN, so both pass the dense leaves' names.)"""
+    u = linear(x, up_gate, plan, "up_gate")
     gate, up = jnp.split(u, 2, axis=-1)
-    return linear(jax.nn.silu(gate) * up, down, plan)
+    return linear(jax.nn.silu(gate) * up, down, plan, "down")
 
 
 def route(x: jax.Array, router: jax.Array, bias: jax.Array, cfg: ErnieConfig) -> tuple[jax.Array, jax.Array]:
@@ -111,7 +119,7 @@ def grouped_swiglu(xs: jax.Array, up_gate: jax.Array, down: jax.Array, group_siz
 
 def _ragged_dot(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
     if isinstance(w, BlockFP8):
-        if w.compute == "w8a8" and kernels.use_kernels(None):
+        if w.compute == "w8a8" and kernels.use_kernels():
             return kernels.grouped_block_fp8_matmul(x, w.values, w.scales, group_sizes)
         return fp8_ragged_dot(x, w, group_sizes)
     return lax.ragged_dot(x, w.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)

@@ -1,9 +1,10 @@
 """Pallas GPU kernels, each with an XLA reference of the same contract, behind one dispatch entry point.
 
 `implementation`: "pallas" (the kernel; on a CPU it runs in the Pallas interpreter), "xla" (the reference),
-or None = pallas on GPU, xla elsewhere. The model calls these entry points, so a single-device GPU run
-picks the kernels. Sharded programs keep the XLA paths: a pallas_call is not partitioned by GSPMD, and
-wrapping the kernels in shard_map is still to do.
+or None = pallas on GPU, xla elsewhere. The model calls these entry points, so a GPU run picks the
+kernels. A pallas_call is not partitioned by GSPMD, so sharded programs call them inside shard_map, per
+device on its shards (sharding/linear.py, sharding/attention.py, the expert-parallel block); layouts that
+cannot run per device keep the XLA paths.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ def resolve(implementation: str | None) -> str:
     return implementation
 
 
-def use_kernels(plan) -> bool:
-    """Whether the model should route through the kernels: on a GPU, in unsharded programs."""
-    return plan is None and resolve(None) == "pallas"
+def use_kernels() -> bool:
+    """Whether the model routes through the kernels (on a GPU); sharded code asks inside its shard_map
+    wrappers."""
+    return resolve(None) == "pallas"
 
 
 def block_fp8_matmul(x, w_q, w_scale, implementation: str | None = None):

@@ -38,7 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--background-compile", action=argparse.BooleanOptionalAction, default=True,
       help="serve once the largest batch and prompt buckets are compiled; compile the others while serving")
     a("--max-num-seqs", type=int, default=16, help="sequences decoded together")
-    a("--max-num-batched-tokens", type=int, default=512, help="prefill chunk length")
+    a("--max-num-batched-tokens", type=int, default=512, help="prompt tokens per prefill step: a long prompt's "
+      "chunk length, and the budget several short prompts batch up to")
     a("--batch-invariant", action="store_true", help="decode at one batch shape, so a request's output never "
       "depends on what else runs (costs throughput at low load; fewer programs to compile)")
     a("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

@@ -21,7 +21,7 @@ def paged_attention_sharded(q, k_pages, v_pages, k_scale, v_scale, block_tables,
     n = plan.size_of(axes)
     data_split = plan.size_of(tuple(a for a in plan.axes_of("batch") if plan.size_of((a,)) > 1)) > 1
     N, K = q.shape[2], k_pages.shape[2]
-    if not kernels.use_kernels(None) or data_split or plan.axes_of("q_heads") != axes or N % n or K % n:
+    if not kernels.use_kernels() or data_split or plan.axes_of("q_heads") != axes or N % n or K % n:
         return None
     ax = (axes if len(axes) > 1 else axes[0]) if axes else None
     heads, pool, scales = P(None, None, ax, None), P(None, None, ax, None), P(None, None, ax)

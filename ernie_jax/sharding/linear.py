@@ -1,0 +1,50 @@
+"""The block-FP8 matmul kernel inside sharded programs: one shard_map, each device on its own weight shard.
+
+A pallas_call is not partitioned by GSPMD, so under a mesh the kernel runs per device. Column-parallel
+weights (qkv, up_gate: output columns split) need no collective; row-parallel ones (o, down: input rows
+split) take the matching slice of the activation and a psum adds the partial products, as GSPMD would.
+The kernel's scales cover 128 x 128 blocks, so this applies when every split dimension splits into whole
+blocks on each device and the scales are split the same way; other layouts keep the XLA path (None).
+"""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from ernie_jax import pallas as kernels
+from ernie_jax.quant import BlockFP8
+from ernie_jax.sharding.rules import LEAF_AXES, ShardingPlan
+
+BLOCK = 128
+
+
+def _axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def fp8_linear_sharded(x: jax.Array, w: BlockFP8, plan: ShardingPlan, leaf: str) -> jax.Array | None:
+    """x [..., K] @ w [K, N] (the weights-pytree leaf `leaf`, placed by plan) -> [..., N] in x's dtype, or
+    None when this layout cannot run the kernel per device."""
+    if not kernels.use_kernels() or w.block != BLOCK or w.values.ndim != 2:
+        return None
+    logical = LEAF_AXES[leaf]
+    spec = plan.spec(logical, tuple(w.values.shape), leaf)
+    scale_spec = plan.spec(logical, tuple(w.scales.shape), leaf)
+    for dim, entry, scale_entry in zip(w.values.shape, spec, scale_spec):
+        n = plan.size_of(_axes(entry))
+        if n > 1 and ((dim // n) % BLOCK or _axes(scale_entry) != _axes(entry)):
+            return None
+    k_axes = _axes(spec[0])
+    lead = tuple(plan.spec(("batch",) + (None,) * (x.ndim - 2), x.shape[:-1]))
+    if {a for e in lead for a in _axes(e)} & set(k_axes + _axes(spec[1])):
+        return None
+    x_spec, out_spec = P(*lead, spec[0]), P(*lead, spec[1])
+
+    def local(x, values, scales):
+        y = kernels.block_fp8_matmul(x.reshape(-1, x.shape[-1]), values, scales)
+        y = y.reshape(*x.shape[:-1], y.shape[-1])
+        return lax.psum(y, k_axes) if k_axes else y
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(x_spec, spec, scale_spec), out_specs=out_spec,
+                         check_vma=False)(x, w.values, w.scales)
