@@ -77,7 +77,10 @@ def test_64_concurrent_requests_more_than_the_cache_holds():
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 256, int(n)).tolist() for n in rng.integers(1, 40, 64)]
     params = [SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True) for m in rng.integers(1, 20, 64)]
+    shapes, run = [], busy.engine.prefiller.run
+    busy.engine.prefiller.run = lambda kind, ids, *a: shapes.append(ids.shape) or run(kind, ids, *a)
     together = busy.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert any(B > 1 for B, _ in shapes)  # admitted prompts were prefilled together (a batched program)
     alone_llm = llm("single")
     for p, sp, out in zip(prompts, params, together):
         alone = alone_llm.generate(prompt_token_ids=[p], sampling_params=sp)[0]

@@ -232,23 +232,23 @@ class Engine:
             self.prefilling.append(req)
 
     def _prefill_rows(self) -> tuple[list[tuple[Request, int, list[int]]], int, int]:
-        """This step's prefill chunks: the first prefilling request's next chunk sets the length bucket T,
-        and the next requests whose chunks fit T join it, up to the largest batch compiled for T (so at most
+        """This step's prefill chunks: the oldest prefilling request's next chunk, joined by the next
+        requests' chunks when a batched program (B > 1) of some length T holds them, up to its B (so at most
         max_num_batched_tokens tokens). Returns ([(request, start, chunk)], T, B)."""
         def next_chunk(req):
             return req.prompt_ids[req.num_prefilled:req.num_prefilled + self.prefill_chunk]
         first = self.prefilling[0]
         T = self.prefiller.bucket("prefill", len(next_chunk(first)))
         rows = [(first, first.num_prefilled, next_chunk(first))]
-        sizes = self.prefiller.prefill_batches(T)
-        if first.params.prompt_logprobs is None:
-            for req in self.prefilling[1:]:
-                if len(rows) == sizes[-1]:
-                    break
-                chunk = next_chunk(req)
-                if req.params.prompt_logprobs is None and len(chunk) <= T:
-                    rows.append((req, req.num_prefilled, chunk))
-        return rows, T, next(b for b in sizes if b >= len(rows))
+        batched = [t for b, t in self.prefiller.ready["prefill"] if b > 1 and t >= T]
+        if first.params.prompt_logprobs is None and batched and len(self.prefilling) > 1:
+            wide = min(batched)
+            room = self.prefiller.prefill_batches(wide)[-1] - 1
+            others = [(r, r.num_prefilled, next_chunk(r)) for r in self.prefilling[1:]
+                      if r.params.prompt_logprobs is None and len(next_chunk(r)) <= wide][:room]
+            if others:
+                T, rows = wide, rows + others
+        return rows, T, next(b for b in self.prefiller.prefill_batches(T) if b >= len(rows))
 
     def _table(self, pages: list[int]) -> np.ndarray:
         return np.asarray(pages + [0] * (self.max_pages - len(pages)), np.int32)

@@ -77,17 +77,18 @@ def buckets(limit: int, start: int = 1) -> list[int]:
     return out + [limit]
 
 
-def prefill_shapes(chunk_lengths: list[int], token_budget: int, max_seqs: int) -> list[tuple[int, int]]:
-    """Prefill program shapes (B, T): one chunk of each length T, and for each T the largest power-of-two
-    batch of chunks that fits the token budget (max_num_batched_tokens) and max_seqs, so a burst of short
-    prompts prefills in a few steps instead of one step each."""
-    out = []
+def prefill_shapes(chunk_lengths: list[int], token_budget: int, max_seqs: int,
+                   min_batched: int = 64) -> list[tuple[int, int]]:
+    """Prefill program shapes (B, T): one chunk of each length T, and for each T >= min_batched the largest
+    power-of-two batch of chunks that fits the token budget (max_num_batched_tokens) and max_seqs, so a
+    burst of prompts prefills in a few steps instead of one step each. Shorter chunks batch padded to
+    min_batched tokens, which costs little and saves compiling a program per short length."""
+    out = [(1, T) for T in chunk_lengths]
     for T in chunk_lengths:
-        out.append((1, T))
         b = 1
         while 2 * b * T <= token_budget and 2 * b <= max_seqs:
             b *= 2
-        if b > 1:
+        if b > 1 and (T >= min_batched or T == chunk_lengths[-1]):
             out.append((b, T))
     return out
 

@@ -139,15 +139,17 @@ def ragged_experts() -> bool:
 
 
 def expert_capacities(tokens: int, k: int, num_experts: int) -> list[int]:
-    """The per-expert row capacities a step picks from, ascending: 2^n and 1.5 * 2^n from the mean load up
-    to `tokens`. A token picks an expert at most once, so no expert gets more than `tokens` rows and the last
-    capacity always holds every assignment; the steps in between keep the padding under 50 %."""
+    """The per-expert row capacities a step picks from, ascending: powers of two from the mean load up to
+    `tokens`. A token picks an expert at most once, so no expert gets more than `tokens` rows and the last
+    capacity always holds every assignment. (Each capacity is a branch of the compiled program: finer steps
+    would pad less but compile slower.)"""
     mean = -(-tokens * k // num_experts)
-    sizes, c = set(), 1
+    out, c = [], 1
     while c < tokens:
-        sizes.update({c, c + c // 2})
+        if c >= mean:
+            out.append(c)
         c *= 2
-    return sorted(x for x in sizes if mean <= x < tokens) + [tokens]
+    return out + [tokens]
 
 
 def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, up_gate, down, num_experts: int,
