@@ -88,6 +88,11 @@ def decoder_layer(h, w, kind: str, cfg: ErnieConfig, positions, seg_cache=None, 
     return _constrain(h + y, plan, HIDDEN), seg_cache, ids
 
 
+@functools.partial(jax.jit, static_argnames=("kind", "cfg", "plan", "batch_invariant"))
+def _layer_call(h, w, seg_cache, layer, positions, block_tables, *, kind, cfg, plan, batch_invariant):
+    return decoder_layer(h, w, kind, cfg, positions, seg_cache, layer, block_tables, plan, batch_invariant)
+
+
 def lm_head(weights, h: jax.Array) -> jax.Array:
     if "lm_head" in weights and weights["lm_head"] is not None:
         return jnp.einsum("...h,hv->...v", h, weights["lm_head"].astype(h.dtype),
@@ -122,7 +127,11 @@ def forward(weights: dict[str, Any], cfg: ErnieConfig, input_ids: jax.Array, pos
         if isinstance(seg_w, list):
             ids = []
             for layer, w in enumerate(seg_w):
-                h, seg_cache, layer_ids = layer_fn(h, w, seg_cache=seg_cache, layer=layer)
+                # A nested jit with the layer index as data: every layer of the segment has the same
+                # signature, so the layer is traced once (as under scan) and XLA inlines each call.
+                h, seg_cache, layer_ids = _layer_call(h, w, seg_cache, jnp.int32(layer), positions, block_tables,
+                                                      kind=seg.kind, cfg=cfg, plan=plan,
+                                                      batch_invariant=batch_invariant)
                 ids.append(layer_ids)
             ids = None if seg.kind == "dense" else jnp.stack(ids)
         else:
