@@ -104,8 +104,7 @@ class LLM:
         if given is not None:
             weights, dtype = given.weights(), given.dtype
         if mesh is None:
-            return given if given is not None else ErnieForCausalLM(cfg, jax.tree.map(jnp.asarray, weights),
-                                                                    dtype=dtype), None
+            return given if given is not None else ErnieForCausalLM.from_host(cfg, weights, dtype), None
         from ernie_jax.sharding import ShardingPlan, make_mesh
         place = lambda m: ErnieForCausalLM.from_host(cfg, weights, dtype, ShardingPlan.create(m, sharding))  # noqa: E731
         full = make_mesh(mesh)

@@ -83,7 +83,7 @@ def load_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *, quantization
 
     cfg, weights = read_pretrained(path, dtype, quantization=quantization, fp8_compute=fp8_compute)
     if mesh is None:
-        return ErnieForCausalLM(cfg, jax.tree.map(jnp.asarray, weights), dtype=dtype)
+        return ErnieForCausalLM.from_host(cfg, weights, dtype)
     from ernie_jax.sharding import ShardingPlan, make_mesh
     mesh = mesh if isinstance(mesh, Mesh) else make_mesh(mesh)
     return ErnieForCausalLM.from_host(cfg, weights, dtype, ShardingPlan.create(mesh, sharding))

@@ -98,9 +98,11 @@ class ErnieForCausalLM(nnx.Module):
         return ErnieForCausalLM.from_host(self.config, self.weights(), self.dtype, plan)
 
     @classmethod
-    def from_host(cls, config: ErnieConfig, weights: dict[str, Any], dtype, plan) -> "ErnieForCausalLM":
-        """A model whose weights (host arrays or device arrays) are placed on plan.mesh by plan's rules, each
-        tensor straight onto its shards (sharding.placement)."""
+    def from_host(cls, config: ErnieConfig, weights: dict[str, Any], dtype, plan=None) -> "ErnieForCausalLM":
+        """A model whose weights (host arrays or device arrays) go onto the default device (plan None) or
+        onto plan.mesh by plan's rules, each tensor straight onto its shards (sharding.placement)."""
+        if plan is None:
+            return cls(config, jax.tree.map(jnp.asarray, weights), dtype=dtype)
         from ernie_jax.sharding.placement import shard_weights
         model = cls(config, shard_weights(weights, plan), dtype=dtype)
         model.plan = plan

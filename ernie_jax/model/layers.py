@@ -169,8 +169,8 @@ def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, up_gate, do
         if len(run) == 1:
             return run[0](x, weights, ids, up_gate, down, first_expert)
         local = up_gate.shape[0]
-        e = ids.reshape(-1) - first_expert
-        load = jnp.bincount(jnp.where((e >= 0) & (e < local), e, local), length=local)  # local experts only
+        e, mine = _local_assignments(ids, first_expert, local)
+        load = jnp.bincount(jnp.where(mine, e, local), length=local)  # local experts only
         return lax.switch(jnp.sum(jnp.asarray(caps[:-1]) < jnp.max(load)), run, x, weights, ids, up_gate, down,
                           first_expert)
     T, k = ids.shape
@@ -191,6 +191,12 @@ def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, up_gate, do
     return jnp.einsum("tkh,tk->th", ys, weights.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
 
 
+def _local_assignments(ids: jax.Array, first_expert, local: int) -> tuple[jax.Array, jax.Array]:
+    """ids [T,k] -> (the local expert index of each assignment [T*k], whether that expert is local)."""
+    e = ids.reshape(-1) - first_expert
+    return e, (e >= 0) & (e < local)
+
+
 def _capacity_experts(x, weights, ids, up_gate, down, first_expert, *, capacity: int) -> jax.Array:
     """Routed experts as one batched matmul over the local experts, each given `capacity` row slots.
 
@@ -200,8 +206,7 @@ def _capacity_experts(x, weights, ids, up_gate, down, first_expert, *, capacity:
     """
     T, k = ids.shape
     local, C = up_gate.shape[0], capacity
-    e = ids.reshape(-1) - first_expert  # [T*k] local expert of each assignment
-    mine = (e >= 0) & (e < local)
+    e, mine = _local_assignments(ids, first_expert, local)
     hot = (e[:, None] == jnp.arange(local)).astype(jnp.int32)  # [T*k, E_local]
     rank = jnp.sum((jnp.cumsum(hot, axis=0) - 1) * hot, axis=-1)  # the assignment's row within its expert
     slot = jnp.where(mine, e * C + rank, local * C)  # other devices' experts go to a slot past the end
