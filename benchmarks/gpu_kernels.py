@@ -5,7 +5,8 @@
 
 Matmuls at the 300B shapes (qkv 8192x10240, o 8192x8192, expert up_gate 8192x7168, down 3584x8192) for
 M = 1, 64, 256, 4096: TFLOP/s (2MNK / t) and GB/s (FP8 weights + scales + activations + output / t) for
-  pallas   the block-FP8 w8a8 kernel (activation quantization inside the kernel),
+  pallas   the block-FP8 w8a8 kernel (activation quantization inside the kernel) on [K, N] weights,
+  pallas-kmajor  the same on K-major [N, K] weights, the layout the loader gives the kernels,
   xla-bf16 a bf16 dot on the dequantized weights (dequantized once, outside the timing),
   xla-fp8  a plain per-tensor e4m3 x e4m3 dot with f32 accumulation (no block scales: a speed anchor),
 and as fractions of the H200's 1,979 dense FP8 TFLOP/s and 4.8 TB/s. The grouped kernel runs 8 local
@@ -57,13 +58,18 @@ def matmuls(ms, shapes, reps):
     print("|---|---|---|---|---|---|---|---|")
     for name, (K, N) in shapes.items():
         w = quantize_block_fp8(jax.random.normal(jax.random.key(0), (K, N), jnp.float32) * 0.02)
+        wt = w.relayout(True)
+        wt = jax.tree.map(lambda a: jnp.array(a, copy=True), wt)  # a K-major buffer, not a transposed view
         w_bf16 = dequantize(w, jnp.bfloat16)
         w_nbytes = w.values.nbytes + w.scales.nbytes
         for M in ms:
             x = jax.random.normal(jax.random.key(1), (M, K), jnp.float32).astype(jnp.bfloat16)
             io = x.nbytes + M * N * 2
-            pallas = jax.jit(lambda x, q, s: kernels.block_fp8_matmul(x, q, s, implementation="pallas"))
-            row(f"{name} {K}x{N}", M, K, N, "pallas", timeit(pallas, x, w.values, w.scales, reps=reps), w_nbytes + io)
+            for impl, wl in (("pallas", w), ("pallas-kmajor", wt)):
+                pallas = jax.jit(lambda x, q, s, _k=wl.k_major: kernels.block_fp8_matmul(
+                    x, q, s, implementation="pallas", k_major=_k))
+                row(f"{name} {K}x{N}", M, K, N, impl, timeit(pallas, x, wl.values, wl.scales, reps=reps),
+                    w_nbytes + io)
             bf16 = jax.jit(lambda x, wb: jnp.dot(x, wb, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
             row(f"{name} {K}x{N}", M, K, N, "xla-bf16", timeit(bf16, x, w_bf16, reps=reps), w_bf16.nbytes + io)
             fp8 = jax.jit(lambda x, q: jnp.dot(x.astype(jnp.float8_e4m3fn), q, preferred_element_type=jnp.float32)
@@ -75,12 +81,15 @@ def grouped(ms, reps, K=8192, N=7168, G=8):
     print("\n| grouped (8 experts) K x N | M | impl | us | TFLOP/s | GB/s | % FP8 peak | % HBM BW |")
     print("|---|---|---|---|---|---|---|---|")
     w = quantize_block_fp8(jax.random.normal(jax.random.key(0), (G, K, N), jnp.float32) * 0.02)
+    wt = jax.tree.map(lambda a: jnp.array(a, copy=True), w.relayout(True))
     for M in ms:
         x = jax.random.normal(jax.random.key(1), (M, K), jnp.float32).astype(jnp.bfloat16)
         sizes = jnp.full((G,), M // G, jnp.int32).at[0].add(M - G * (M // G))
-        fn = jax.jit(lambda x, q, s, g: kernels.grouped_block_fp8_matmul(x, q, s, g, implementation="pallas"))
         nbytes = w.values.nbytes + w.scales.nbytes + x.nbytes + M * N * 2
-        row(f"{K}x{N}", M, K, N, "pallas", timeit(fn, x, w.values, w.scales, sizes, reps=reps), nbytes)
+        for impl, wl in (("pallas", w), ("pallas-kmajor", wt)):
+            fn = jax.jit(lambda x, q, s, g, _k=wl.k_major: kernels.grouped_block_fp8_matmul(
+                x, q, s, g, implementation="pallas", k_major=_k))
+            row(f"{K}x{N}", M, K, N, impl, timeit(fn, x, wl.values, wl.scales, sizes, reps=reps), nbytes)
 
 
 def attention(batches, context, reps, page=16, K=8, D=128, N=64):

@@ -3,6 +3,9 @@
 Format (ERNIE45_SPEC.md section 4, FastDeploy semantics): e4m3fn values in the Paddle [in, out]
 orientation and f32 scales [ceil(in/128), ceil(out/128)]; the scale is the dequant multiplier amax/448,
 so W[i, o] ~ values[i, o] * scales[i // 128, o // 128]. Leading axes (layers, experts) are allowed.
+`k_major` values are stored [out, in] instead (K contiguous, the B-operand layout FP8 tensor-core MMAs
+take); the model's loader relays them so when it runs the GPU kernels. Scales and `shape` keep the
+[in, out] orientation either way, and the XLA paths here read `kn_values`.
 
 Two numerics for a linear (`compute`):
 - "w8a8": FastDeploy/DeepGEMM numerics. Activations are quantized per token per 128-channel group
@@ -32,14 +35,32 @@ COMPUTE_MODES = ("w8a8", "weight_only")
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class BlockFP8:
-    values: jax.Array  # [..., in, out] float8_e4m3fn
+    values: jax.Array  # [..., in, out] float8_e4m3fn ([..., out, in] when k_major)
     scales: jax.Array  # [..., ceil(in/block), ceil(out/block)] f32, dequant multipliers
     compute: str = dataclasses.field(default="w8a8", metadata=dict(static=True))
     block: int = dataclasses.field(default=128, metadata=dict(static=True))
+    k_major: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.values.shape)
+        """The logical [..., in, out] shape, whatever the storage layout."""
+        shape = tuple(self.values.shape)
+        return (*shape[:-2], shape[-1], shape[-2]) if self.k_major else shape
+
+    @property
+    def kn_values(self) -> jax.Array:
+        """The values as [..., in, out] (a transpose XLA folds into the consuming dot when k_major)."""
+        return jnp.swapaxes(self.values, -1, -2) if self.k_major else self.values
+
+    def relayout(self, k_major: bool) -> "BlockFP8":
+        """The same weight stored K-major ([..., out, in]) or not. Host (numpy) values become a strided view,
+        so placing them copies each device's shard once and the host never holds a second copy."""
+        if k_major == self.k_major:
+            return self
+        v = self.values
+        v = (jax.ShapeDtypeStruct((*v.shape[:-2], v.shape[-1], v.shape[-2]), v.dtype)
+             if isinstance(v, jax.ShapeDtypeStruct) else v.swapaxes(-1, -2))
+        return dataclasses.replace(self, values=v, k_major=k_major)
 
     @property
     def nbytes(self) -> int:
@@ -84,7 +105,7 @@ def _expand_scales(scales: jax.Array, shape: tuple[int, ...], block: int) -> jax
 
 
 def dequantize(w: BlockFP8, dtype=jnp.float32) -> jax.Array:
-    return (w.values.astype(jnp.float32) * _expand_scales(w.scales, w.shape, w.block)).astype(dtype)
+    return (w.kn_values.astype(jnp.float32) * _expand_scales(w.scales, w.shape, w.block)).astype(dtype)
 
 
 def quantize_activations(x: jax.Array, block: int = 128) -> tuple[jax.Array, jax.Array]:
@@ -112,7 +133,7 @@ def fp8_linear(x: jax.Array, w: BlockFP8, compute: str | None = None) -> jax.Arr
     lead, (K, N), B = x.shape[:-1], w.shape, w.block
     xq, xs = quantize_activations(x.reshape(-1, K), B)
     KB = xs.shape[1]
-    wv = _padded_k(w.values, B).reshape(KB, B, N)
+    wv = _padded_k(w.kn_values, B).reshape(KB, B, N)
     ws = jnp.repeat(w.scales, B, axis=-1)[:, :N]  # [KB, N]
 
     def step(acc, kb):
@@ -131,7 +152,7 @@ def fp8_ragged_dot(x: jax.Array, w: BlockFP8, group_sizes: jax.Array, compute: s
     M, (G, _K, N), B = x.shape[0], w.shape, w.block
     xq, xs = quantize_activations(x, B)
     KB = xs.shape[1]
-    wv = _padded_k(w.values, B).reshape(G, KB, B, N)
+    wv = _padded_k(w.kn_values, B).reshape(G, KB, B, N)
     row_group = jnp.repeat(jnp.arange(G), group_sizes, total_repeat_length=M)
     ws_rows = w.scales[row_group]  # [M, KB, NB]
 

@@ -1,5 +1,7 @@
 """Pallas kernels in interpret mode against their XLA references, and their CUDA lowering (no GPU needed)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,14 +27,30 @@ def test_block_fp8_matmul(M, K, N, dtype):
     assert _rel(out, ref) < (1e-6 if dtype == jnp.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("M, K, N", [(7, 200, 136), (33, 384, 256), (5, 256, 256)])
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_block_fp8_matmul_k_major(M, K, N, impl):
+    """K-major weights ([N, K], as the loader stores them for the kernels) give the [K, N] reference's
+    result, square shapes included (where only the flag tells the layouts apart)."""
+    x = jax.random.normal(jax.random.key(M), (M, K))
+    w = quantize_block_fp8(jax.random.normal(jax.random.key(K), (K, N)) * 0.05)
+    t = w.relayout(True)
+    assert t.values.shape == (N, K) and t.shape == (K, N)
+    out = kernels.block_fp8_matmul(x, t.values, t.scales, implementation=impl, k_major=True)
+    ref = kernels.block_fp8_matmul(x, w.values, w.scales, implementation="xla")
+    assert _rel(out, ref) < 1e-6
+
+
+@pytest.mark.parametrize("k_major", [False, True])
 @pytest.mark.parametrize("sizes", [[3, 0, 5, 1], [0, 0, 9, 0], [40, 2, 0, 30]])
-def test_grouped_block_fp8_matmul(sizes):
+def test_grouped_block_fp8_matmul(sizes, k_major):
     G, K, N = len(sizes), 200, 136
     M = sum(sizes) + 2  # two rows past the groups must come back as zeros
     x = jax.random.normal(jax.random.key(0), (M, K))
     w = quantize_block_fp8(jax.random.normal(jax.random.key(1), (G, K, N)) * 0.05)
+    t = w.relayout(k_major)
     gs = jnp.asarray(sizes, jnp.int32)
-    out = kernels.grouped_block_fp8_matmul(x, w.values, w.scales, gs, implementation="pallas")
+    out = kernels.grouped_block_fp8_matmul(x, t.values, t.scales, gs, implementation="pallas", k_major=k_major)
     ref = kernels.grouped_block_fp8_matmul(x, w.values, w.scales, gs, implementation="xla")
     assert _rel(out, ref) < 1e-6
     assert not np.asarray(out[sum(sizes):]).any()
@@ -93,7 +111,13 @@ def test_every_kernel_lowers_for_cuda():
         (paged_attention_pallas, (sds((1, 512, 64, 128), bf), sds((512, 16, 8, 128), f8), sds((512, 16, 8, 128), f8),
                                   sds((512, 16, 8), f32), sds((512, 16, 8), f32), sds((1, 64), i32), sds((1, 512), i32))),
     ]
-    for fn, args in cases:
+    k_major = [  # the layout the loader gives the kernels: [N, K] weights
+        (functools.partial(block_fp8_matmul_pallas, k_major=True),
+         (sds((64, 8192), bf), sds((10240, 8192), f8), sds((64, 80), f32))),
+        (functools.partial(grouped_block_fp8_matmul_pallas, k_major=True),
+         (sds((256, 3584), bf), sds((8, 8192, 3584), f8), sds((8, 28, 64), f32), sds((8,), i32))),
+    ]
+    for fn, args in cases + k_major:
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "triton" in text.lower() or "pallas" in text.lower() or "custom_call" in text
 
@@ -116,6 +140,18 @@ def run_with_kernels(monkeypatch, fn, *args):
         jax.clear_caches()
 
 
+def loaded_for_kernels(model):
+    """`model` placed again as the loader places it when the kernels are in use (call under
+    run_with_kernels): every w8a8 block-FP8 matrix K-major."""
+    from ernie_jax.model.ernie import ErnieForCausalLM
+    from ernie_jax.quant import BlockFP8
+    placed = ErnieForCausalLM.from_host(model.config, model.weights(), model.dtype, model.plan)
+    fp8 = [w for w in jax.tree.leaves(placed.weights(), is_leaf=lambda x: isinstance(x, BlockFP8))
+           if isinstance(w, BlockFP8)]
+    assert fp8 and all(w.k_major for w in fp8)
+    return placed
+
+
 def test_model_runs_through_the_kernels(monkeypatch, golden):
     """The model's dispatch: the FP8 linears, the grouped expert matmul and decode attention all go through
     the kernels (interpreted here) and agree with the XLA paths."""
@@ -135,7 +171,7 @@ def test_model_runs_through_the_kernels(monkeypatch, golden):
         return np.concatenate(logits, axis=1)
     jax.clear_caches()
     ref = decode(model)
-    out, used = run_with_kernels(monkeypatch, decode, model)
+    out, used = run_with_kernels(monkeypatch, lambda m: decode(loaded_for_kernels(m)), model)
     assert used == {"block_fp8_matmul_pallas", "grouped_block_fp8_matmul_pallas", "paged_attention_pallas"}
     assert np.abs(out - ref).max() < 1e-3 * np.abs(ref).max()
 
@@ -162,7 +198,7 @@ def test_sharded_programs_use_kernels_where_shards_allow(monkeypatch, golden, me
         return np.asarray(out.logits)
     jax.clear_caches()
     ref = decode(model)
-    out, used = run_with_kernels(monkeypatch, decode, model)
+    out, used = run_with_kernels(monkeypatch, lambda m: decode(loaded_for_kernels(m)), model)
     assert used == kernels_used
     assert np.abs(out - ref).max() < 1e-3 * np.abs(ref).max()
 
@@ -180,6 +216,6 @@ def test_sharded_fp8_linears_run_the_kernel_per_device(monkeypatch):
         return np.asarray(m.forward(ids, np.arange(5)[None], m.init_cache(1, 16)).logits)
     jax.clear_caches()
     ref = logits(model)
-    out, used = run_with_kernels(monkeypatch, logits, model)
+    out, used = run_with_kernels(monkeypatch, lambda m: logits(loaded_for_kernels(m)), model)
     assert used == {"block_fp8_matmul_pallas", "grouped_block_fp8_matmul_pallas", "paged_attention_pallas"}
     assert np.abs(out - ref).max() < 1e-3 * np.abs(ref).max()

@@ -180,6 +180,21 @@ def test_per_device_bytes_and_direct_placement():
     assert {s.data.shape[1] for s in seg.addressable_shards} == {1}  # one expert per device, never a full copy
 
 
+def test_k_major_block_fp8_specs_follow_the_logical_axes():
+    """K-major values ([out, in], the kernels' layout) are split on the same logical dimension as the
+    checkpoint's [in, out] values; the scales keep [in, out]; placing them gives each device its slice."""
+    from ernie_jax.quant import quantize_block_fp8
+    plan = ShardingPlan.create(make_mesh("data=1,expert=1,tensor=8"))
+    w = quantize_block_fp8(np.random.default_rng(0).standard_normal((256, 1024)).astype(np.float32))
+    kn, nk = plan.param_spec("qkv", w), plan.param_spec("qkv", w.relayout(True))
+    assert tuple(kn.values) == (None, "tensor") and tuple(nk.values) == ("tensor", None)
+    assert tuple(kn.scales) == tuple(nk.scales) == (None, "tensor")
+    host = jax.tree.map(np.asarray, w.relayout(True))
+    placed = jax.tree.map(lambda a, sh: jax.device_put(a, sh), host, plan.shardings({"qkv": host})["qkv"])
+    assert {sh.data.shape for sh in placed.values.addressable_shards} == {(128, 256)}
+    np.testing.assert_array_equal(np.asarray(placed.kn_values, np.float32), np.asarray(w.values, np.float32))
+
+
 def test_bad_meshes_and_rules():
     with pytest.raises(MeshError, match="needs 16 devices but only 8"):
         make_mesh("data=2,expert=4,tensor=2")

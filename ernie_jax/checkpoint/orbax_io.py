@@ -44,6 +44,8 @@ class OrbaxWriter:
         node = self._batch
         for key in path[:-1]:
             node = node.setdefault(str(key), {})
+        if isinstance(value, BlockFP8):
+            value = value.relayout(False)  # saved in the checkpoint's [in, out] orientation
         node[str(path[-1])] = {"values": value.values, "scales": value.scales} if isinstance(value, BlockFP8) \
             else value
         self._bytes += value.nbytes

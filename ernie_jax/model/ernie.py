@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ernie_jax import pallas as kernels
 from ernie_jax.config import ErnieConfig
 from ernie_jax.model import forward as fwd
 from ernie_jax.model.kv_cache import KV_CACHE_DTYPES, KVCache
@@ -100,7 +101,10 @@ class ErnieForCausalLM(nnx.Module):
     @classmethod
     def from_host(cls, config: ErnieConfig, weights: dict[str, Any], dtype, plan=None) -> "ErnieForCausalLM":
         """A model whose weights (host arrays or device arrays) go onto the default device (plan None) or
-        onto plan.mesh by plan's rules, each tensor straight onto its shards (sharding.placement)."""
+        onto plan.mesh by plan's rules, each tensor straight onto its shards (sharding.placement). When the
+        Pallas kernels are in use, block-FP8 matrices are stored K-major, as their FP8 MMAs read them."""
+        if kernels.use_kernels():
+            weights = kernels.kernel_layout(weights)
         if plan is None:
             return cls(config, jax.tree.map(jnp.asarray, weights), dtype=dtype)
         from ernie_jax.sharding.placement import shard_weights

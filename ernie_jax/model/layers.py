@@ -32,7 +32,7 @@ def linear(x: jax.Array, w, plan=None, leaf: str | None = None) -> jax.Array:
     if isinstance(w, BlockFP8):
         if w.compute == "w8a8" and w.values.ndim == 2:
             if plan is None and kernels.use_kernels():
-                y = kernels.block_fp8_matmul(x.reshape(-1, x.shape[-1]), w.values, w.scales)
+                y = kernels.block_fp8_matmul(x.reshape(-1, x.shape[-1]), w.values, w.scales, k_major=w.k_major)
                 return y.reshape(*x.shape[:-1], y.shape[-1])
             if plan is not None and leaf is not None:
                 y = fp8_linear_sharded(x, w, plan, leaf)
@@ -120,7 +120,7 @@ def grouped_swiglu(xs: jax.Array, up_gate: jax.Array, down: jax.Array, group_siz
 def _ragged_dot(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
     if isinstance(w, BlockFP8):
         if w.compute == "w8a8" and kernels.use_kernels():
-            return kernels.grouped_block_fp8_matmul(x, w.values, w.scales, group_sizes)
+            return kernels.grouped_block_fp8_matmul(x, w.values, w.scales, group_sizes, k_major=w.k_major)
         return fp8_ragged_dot(x, w, group_sizes)
     return lax.ragged_dot(x, w.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
 

@@ -14,6 +14,7 @@ import jax
 from ernie_jax.pallas.block_fp8_matmul import block_fp8_matmul_pallas, block_fp8_matmul_reference
 from ernie_jax.pallas.grouped_fp8_matmul import grouped_block_fp8_matmul_pallas, grouped_block_fp8_matmul_reference
 from ernie_jax.pallas.paged_attention import paged_attention_pallas, paged_attention_reference
+from ernie_jax.quant import BlockFP8
 
 IMPLEMENTATIONS = ("pallas", "xla")
 
@@ -32,18 +33,30 @@ def use_kernels() -> bool:
     return resolve(None) == "pallas"
 
 
-def block_fp8_matmul(x, w_q, w_scale, implementation: str | None = None):
-    """x [M, K] @ block-FP8 W [K, N] with FastDeploy w8a8 numerics -> [M, N] in x's dtype."""
+def block_fp8_matmul(x, w_q, w_scale, implementation: str | None = None, k_major: bool = False):
+    """x [M, K] @ block-FP8 W [K, N] (stored [N, K] when k_major) with FastDeploy w8a8 numerics -> [M, N] in
+    x's dtype."""
     if resolve(implementation) == "xla":
-        return block_fp8_matmul_reference(x, w_q, w_scale)
-    return block_fp8_matmul_pallas(x, w_q, w_scale, interpret=jax.default_backend() != "gpu")
+        return block_fp8_matmul_reference(x, w_q, w_scale, k_major)
+    return block_fp8_matmul_pallas(x, w_q, w_scale, k_major, interpret=jax.default_backend() != "gpu")
 
 
-def grouped_block_fp8_matmul(x, w_q, w_scale, group_sizes, implementation: str | None = None):
-    """Rows of x sorted by group; group g multiplies block-FP8 w_q[g] -> [M, N] in x's dtype."""
+def grouped_block_fp8_matmul(x, w_q, w_scale, group_sizes, implementation: str | None = None,
+                             k_major: bool = False):
+    """Rows of x sorted by group; group g multiplies block-FP8 w_q[g] ([K, N], or [N, K] when k_major)
+    -> [M, N] in x's dtype."""
     if resolve(implementation) == "xla":
-        return grouped_block_fp8_matmul_reference(x, w_q, w_scale, group_sizes)
-    return grouped_block_fp8_matmul_pallas(x, w_q, w_scale, group_sizes, interpret=jax.default_backend() != "gpu")
+        return grouped_block_fp8_matmul_reference(x, w_q, w_scale, group_sizes, k_major)
+    return grouped_block_fp8_matmul_pallas(x, w_q, w_scale, group_sizes, k_major,
+                                           interpret=jax.default_backend() != "gpu")
+
+
+def kernel_layout(weights):
+    """The weights pytree with its w8a8 block-FP8 matrices stored K-major, the layout the kernels' FP8 MMAs
+    read without a transpose (block_fp8_matmul.py); the loader applies it when the kernels are in use."""
+    def relay(w):
+        return w.relayout(True) if isinstance(w, BlockFP8) and w.compute == "w8a8" else w
+    return jax.tree.map(relay, weights, is_leaf=lambda x: isinstance(x, BlockFP8))
 
 
 def paged_attention(q, k_pages, v_pages, k_scale, v_scale, block_tables, positions,
@@ -64,5 +77,5 @@ def paged_decode_attention(q, k_pages, v_pages, k_scale, v_scale, block_tables, 
     return out[:, 0]
 
 
-__all__ = ["IMPLEMENTATIONS", "block_fp8_matmul", "grouped_block_fp8_matmul", "paged_attention",
+__all__ = ["IMPLEMENTATIONS", "block_fp8_matmul", "grouped_block_fp8_matmul", "kernel_layout", "paged_attention",
            "paged_decode_attention", "resolve", "use_kernels"]

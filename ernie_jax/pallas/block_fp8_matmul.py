@@ -8,8 +8,13 @@ the promotion is per K block, DeepGEMM style). Output in the activation dtype.
 Backend: Pallas-Triton. Mosaic GPU is JAX's supported GPU backend, but an FP8 wgmma kernel there needs a
 warp-specialised TMA pipeline and K-contiguous ([N, K]) weights, and its CPU interpreter is a private API;
 the Triton lowering takes the same tiles through `tl.dot` on e4m3 operands (sm89+), runs in the generic
-Pallas interpreter on CPU (the tests) and lowers for CUDA here. Weights stay [K, N] as the checkpoint
-stores them; Triton converts the B operand's layout for the MMA.
+Pallas interpreter on CPU (the tests) and lowers for CUDA here.
+
+Weight layout: Hopper's FP8 wgmma reads both operands K-major from shared memory, so with [K, N] weights
+Triton must transpose every weight tile on its way to the MMA. The kernels therefore also take K-major
+weights ([N, K], `k_major=True`; the tile is contracted on its second axis), and the model's loader stores
+the FP8 linears that way when the kernels are in use (`pallas.kernel_layout`); the checkpoint's [K, N]
+stays accepted.
 """
 
 from __future__ import annotations
@@ -43,39 +48,48 @@ def quantize_tile(x):
     return jnp.clip(x * (FP8_MAX / amax), -FP8_MAX, FP8_MAX).astype(FP8), amax / FP8_MAX
 
 
-def _kernel(x_ref, w_ref, ws_ref, o_ref, *, n_kb: int, bm: int):
+def weight_tile_dot(xq, w_ref, lead: tuple, kb, j, k_major: bool):
+    """xq [bm, BK] e4m3 times weight tile (kb, j) -> [bm, BN] f32; the tile is [BN, BK] when k_major."""
+    if k_major:
+        w = w_ref[(*lead, pl.ds(j * BN, BN), pl.ds(kb * BK, BK))]
+        return lax.dot_general(xq, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    w = w_ref[(*lead, pl.ds(kb * BK, BK), pl.ds(j * BN, BN))]
+    return jnp.dot(xq, w, preferred_element_type=jnp.float32)
+
+
+def _kernel(x_ref, w_ref, ws_ref, o_ref, *, n_kb: int, bm: int, k_major: bool):
     i, j = pl.program_id(0), pl.program_id(1)
 
     def body(kb, acc):
         xq, xs = quantize_tile(x_ref[pl.ds(i * bm, bm), pl.ds(kb * BK, BK)].astype(jnp.float32))
-        w = w_ref[pl.ds(kb * BK, BK), pl.ds(j * BN, BN)]
-        part = jnp.dot(xq, w, preferred_element_type=jnp.float32)
-        return acc + part * xs * ws_ref[kb, j]
+        return acc + weight_tile_dot(xq, w_ref, (), kb, j, k_major) * xs * ws_ref[kb, j]
 
     acc = lax.fori_loop(0, n_kb, body, jnp.zeros((bm, BN), jnp.float32))
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def pad_operands(x, w_q, w_scale, bm: int):
-    """Zero-pad rows to the row tile and K, N to whole 128 blocks (zeros add nothing to any product)."""
+def pad_operands(x, w_q, w_scale, bm: int, k_major: bool):
+    """Zero-pad rows to the row tile and K, N to whole 128 blocks (zeros add nothing to any product).
+    Returns (x [Mp, Kp], w [..., Kp, Np] or [..., Np, Kp] when k_major, scales f32, Np)."""
     M, K = x.shape
-    N = w_q.shape[-1]
+    N = w_q.shape[-2] if k_major else w_q.shape[-1]
     Mp, Kp, Np = _round_up(M, bm), _round_up(K, BK), _round_up(N, BN)
     x = jnp.pad(x, ((0, Mp - M), (0, Kp - K)))
-    pad_w = [(0, 0)] * (w_q.ndim - 2) + [(0, Kp - K), (0, Np - N)]
-    return x, jnp.pad(w_q, pad_w), w_scale.astype(jnp.float32)
+    pad_w = [(0, 0)] * (w_q.ndim - 2) + ([(0, Np - N), (0, Kp - K)] if k_major else [(0, Kp - K), (0, Np - N)])
+    return x, jnp.pad(w_q, pad_w), w_scale.astype(jnp.float32), Np
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def block_fp8_matmul_pallas(x, w_q, w_scale, interpret: bool = False):
-    """x [M, K] (bf16/f32); w_q [K, N] e4m3; w_scale [ceil(K/128), ceil(N/128)] f32 -> [M, N] in x's dtype."""
-    M, N = x.shape[0], w_q.shape[1]
+@functools.partial(jax.jit, static_argnames=("k_major", "interpret"))
+def block_fp8_matmul_pallas(x, w_q, w_scale, k_major: bool = False, interpret: bool = False):
+    """x [M, K] (bf16/f32); w_q [K, N] e4m3 ([N, K] when k_major); w_scale [ceil(K/128), ceil(N/128)] f32
+    -> [M, N] in x's dtype."""
+    M, N = x.shape[0], w_q.shape[0 if k_major else 1]
     bm = _block_m(M)
-    xp, wp, ws = pad_operands(x, w_q, w_scale, bm)
+    xp, wp, ws, Np = pad_operands(x, w_q, w_scale, bm, k_major)
     out = pl.pallas_call(
-        functools.partial(_kernel, n_kb=wp.shape[0] // BK, bm=bm),
-        out_shape=jax.ShapeDtypeStruct((xp.shape[0], wp.shape[1]), x.dtype),
-        grid=(xp.shape[0] // bm, wp.shape[1] // BN),
+        functools.partial(_kernel, n_kb=xp.shape[1] // BK, bm=bm, k_major=k_major),
+        out_shape=jax.ShapeDtypeStruct((xp.shape[0], Np), x.dtype),
+        grid=(xp.shape[0] // bm, Np // BN),
         in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * 3,
         out_specs=pl.BlockSpec((bm, BN), lambda i, j: (i, j)),
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=3),
@@ -84,6 +98,6 @@ def block_fp8_matmul_pallas(x, w_q, w_scale, interpret: bool = False):
     return out[:M, :N]
 
 
-def block_fp8_matmul_reference(x, w_q, w_scale):
+def block_fp8_matmul_reference(x, w_q, w_scale, k_major: bool = False):
     """The XLA path of the same contract (quant.fp8_linear in w8a8 mode)."""
-    return fp8_linear(x, BlockFP8(w_q, w_scale), "w8a8")
+    return fp8_linear(x, BlockFP8(w_q, w_scale, k_major=k_major), "w8a8")

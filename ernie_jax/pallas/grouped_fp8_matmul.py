@@ -5,7 +5,8 @@ wrapper lays the rows out so that every group starts on a row-tile boundary (at 
 per group, a static bound), records each tile's group, and the kernel (the block_fp8_matmul kernel body
 with the tile's group picked from that table) never mixes two experts in one MMA tile. Empty groups get no
 tile. Rows past sum(group_sizes) produce zeros, as in `lax.ragged_dot`. Backend: Pallas-Triton, for the
-reasons in block_fp8_matmul.py.
+reasons in block_fp8_matmul.py, and
+like it on [K, N] or K-major [N, K] expert weights.
 """
 
 from __future__ import annotations
@@ -18,19 +19,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from ernie_jax.pallas.block_fp8_matmul import BK, BN, _round_up, pad_operands, quantize_tile
+from ernie_jax.pallas.block_fp8_matmul import BK, BN, _round_up, pad_operands, quantize_tile, weight_tile_dot
 from ernie_jax.quant import BlockFP8, fp8_ragged_dot
 
 
-def _kernel(tile_group_ref, x_ref, w_ref, ws_ref, o_ref, *, n_kb: int, bm: int):
+def _kernel(tile_group_ref, x_ref, w_ref, ws_ref, o_ref, *, n_kb: int, bm: int, k_major: bool):
     i, j = pl.program_id(0), pl.program_id(1)
     g = tile_group_ref[i]
 
     def body(kb, acc):
         xq, xs = quantize_tile(x_ref[pl.ds(i * bm, bm), pl.ds(kb * BK, BK)].astype(jnp.float32))
-        w = w_ref[g, pl.ds(kb * BK, BK), pl.ds(j * BN, BN)]
-        part = jnp.dot(xq, w, preferred_element_type=jnp.float32)
-        return acc + part * xs * ws_ref[g, kb, j]
+        return acc + weight_tile_dot(xq, w_ref, (g,), kb, j, k_major) * xs * ws_ref[g, kb, j]
 
     acc = lax.fori_loop(0, n_kb, body, jnp.zeros((bm, BN), jnp.float32))
     o_ref[...] = acc.astype(o_ref.dtype)
@@ -55,18 +54,19 @@ def tile_layout(group_sizes, M: int, bm: int):
     return dest, valid, tile_group.astype(jnp.int32), Mp
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def grouped_block_fp8_matmul_pallas(x, w_q, w_scale, group_sizes, interpret: bool = False):
-    """x [M, K]; w_q [G, K, N] e4m3; w_scale [G, ceil(K/128), ceil(N/128)]; group_sizes [G] -> [M, N]."""
-    M, N = x.shape[0], w_q.shape[-1]
+@functools.partial(jax.jit, static_argnames=("k_major", "interpret"))
+def grouped_block_fp8_matmul_pallas(x, w_q, w_scale, group_sizes, k_major: bool = False, interpret: bool = False):
+    """x [M, K]; w_q [G, K, N] e4m3 ([G, N, K] when k_major); w_scale [G, ceil(K/128), ceil(N/128)];
+    group_sizes [G] -> [M, N]."""
+    M, N = x.shape[0], w_q.shape[-2 if k_major else -1]
     bm = 16 if M <= 8 * w_q.shape[0] else 64  # decode-sized groups hold a few rows each
     dest, valid, tile_group, Mp = tile_layout(group_sizes, M, bm)
     xp = jnp.zeros((Mp, x.shape[1]), x.dtype).at[dest].set(x)
-    xp, wp, ws = pad_operands(xp, w_q, w_scale, bm)
+    xp, wp, ws, Np = pad_operands(xp, w_q, w_scale, bm, k_major)
     out = pl.pallas_call(
-        functools.partial(_kernel, n_kb=wp.shape[1] // BK, bm=bm),
-        out_shape=jax.ShapeDtypeStruct((Mp, wp.shape[2]), x.dtype),
-        grid=(Mp // bm, wp.shape[2] // BN),
+        functools.partial(_kernel, n_kb=xp.shape[1] // BK, bm=bm, k_major=k_major),
+        out_shape=jax.ShapeDtypeStruct((Mp, Np), x.dtype),
+        grid=(Mp // bm, Np // BN),
         in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * 4,
         out_specs=pl.BlockSpec((bm, BN), lambda i, j: (i, j)),
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=3),
@@ -75,6 +75,6 @@ def grouped_block_fp8_matmul_pallas(x, w_q, w_scale, group_sizes, interpret: boo
     return jnp.where(valid[:, None], out[dest, :N], 0).astype(x.dtype)
 
 
-def grouped_block_fp8_matmul_reference(x, w_q, w_scale, group_sizes):
+def grouped_block_fp8_matmul_reference(x, w_q, w_scale, group_sizes, k_major: bool = False):
     """The XLA path of the same contract (quant.fp8_ragged_dot in w8a8 mode)."""
-    return fp8_ragged_dot(x, BlockFP8(w_q, w_scale), group_sizes, "w8a8").astype(x.dtype)
+    return fp8_ragged_dot(x, BlockFP8(w_q, w_scale, k_major=k_major), group_sizes, "w8a8").astype(x.dtype)

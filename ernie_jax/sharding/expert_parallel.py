@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from ernie_jax.config import ErnieConfig
 from ernie_jax.model.layers import grouped_swiglu, route, routed_experts, shared_experts
 from ernie_jax.sharding.collectives import axis_linear_index, ragged_all_to_all
-from ernie_jax.sharding.rules import LEAF_AXES, ShardingError, ShardingPlan
+from ernie_jax.sharding.rules import ShardingError, ShardingPlan
 
 # "auto": all_to_all where the backend has a ragged all-to-all (not XLA:CPU), else replicated. Tests set
 # "all_to_all" to run that path on CPU (through collectives.py's all-gather equivalent).
@@ -81,10 +81,8 @@ def moe_ep(x: jax.Array, w: dict, cfg: ErnieConfig, plan: ShardingPlan, batch_in
             ids = _my_rows(ids, gather, plan)
         return y, ids
 
-    espec = lambda name, leaf: plan.spec(LEAF_AXES[name], tuple(leaf.shape), name)  # noqa: E731
-    in_specs = (P(bspec, None, None), P(), P(),
-                jax.tree.map(lambda a: espec("experts_up_gate", a), w["experts_up_gate"]),
-                jax.tree.map(lambda a: espec("experts_down", a), w["experts_down"]))
+    in_specs = (P(bspec, None, None), P(), P(), plan.param_spec("experts_up_gate", w["experts_up_gate"]),
+                plan.param_spec("experts_down", w["experts_down"]))
     y, ids = jax.shard_map(body, mesh=plan.mesh, in_specs=in_specs, out_specs=(P(bspec, None, None),
                                                                                P(bspec, None, None)),
                            check_vma=False)(x, w["router"], w["router_bias"], w["experts_up_gate"], w["experts_down"])

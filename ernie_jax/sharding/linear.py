@@ -29,10 +29,9 @@ def fp8_linear_sharded(x: jax.Array, w: BlockFP8, plan: ShardingPlan, leaf: str)
     None when this layout cannot run the kernel per device."""
     if not kernels.use_kernels() or w.block != BLOCK or w.values.ndim != 2:
         return None
-    logical = LEAF_AXES[leaf]
-    spec = plan.spec(logical, tuple(w.values.shape), leaf)
-    scale_spec = plan.spec(logical, tuple(w.scales.shape), leaf)
-    for dim, entry, scale_entry in zip(w.values.shape, spec, scale_spec):
+    specs = plan.param_spec(leaf, w)
+    spec = plan.spec(LEAF_AXES[leaf], w.shape, leaf)  # [in, out] entries, whatever the storage layout
+    for dim, entry, scale_entry in zip(w.shape, spec, specs.scales):
         n = plan.size_of(_axes(entry))
         if n > 1 and ((dim // n) % BLOCK or _axes(scale_entry) != _axes(entry)):
             return None
@@ -43,8 +42,8 @@ def fp8_linear_sharded(x: jax.Array, w: BlockFP8, plan: ShardingPlan, leaf: str)
     x_spec, out_spec = P(*lead, spec[0]), P(*lead, spec[1])
 
     def local(x, values, scales):
-        y = kernels.block_fp8_matmul(x.reshape(-1, x.shape[-1]), values, scales)
+        y = kernels.block_fp8_matmul(x.reshape(-1, x.shape[-1]), values, scales, k_major=w.k_major)
         y = y.reshape(*x.shape[:-1], y.shape[-1])
         return lax.psum(y, k_axes) if k_axes else y
-    return jax.shard_map(local, mesh=plan.mesh, in_specs=(x_spec, spec, scale_spec), out_specs=out_spec,
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(x_spec, specs.values, specs.scales), out_specs=out_spec,
                          check_vma=False)(x, w.values, w.scales)

@@ -28,6 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ernie_jax.quant import BlockFP8
 from ernie_jax.sharding.mesh import mesh_sizes
 
 
@@ -122,14 +123,20 @@ class ShardingPlan:
     def activation(self, logical: tuple, shape: tuple[int, ...]) -> NamedSharding:
         return self.named(self.spec(logical, shape))
 
-    def weight_specs(self, weights: Any) -> Any:
-        """PartitionSpec pytree for a weights pytree (arrays or ShapeDtypeStructs); BlockFP8 scales follow
-        their values' logical axes."""
-        def leaf_spec(path, x):
-            name = _leaf_name(path)
-            logical = LEAF_AXES[name]
+    def param_spec(self, name: str, x: Any) -> Any:
+        """The spec of weights leaf `name`: a PartitionSpec, or for a BlockFP8 a BlockFP8 of specs whose
+        scales follow the values' logical axes (swapped for K-major values, stored [out, in])."""
+        logical = LEAF_AXES[name]
+        if not isinstance(x, BlockFP8):
             return self.spec(logical, tuple(x.shape), name)
-        return jax.tree_util.tree_map_with_path(leaf_spec, weights)
+        kn = self.spec(logical, x.shape, name)
+        values = P(*kn[:-2], kn[-1], kn[-2]) if x.k_major else kn
+        return dataclasses.replace(x, values=values, scales=self.spec(logical, tuple(x.scales.shape), name))
+
+    def weight_specs(self, weights: Any) -> Any:
+        """PartitionSpec pytree for a weights pytree (arrays or ShapeDtypeStructs)."""
+        return jax.tree_util.tree_map_with_path(lambda path, x: self.param_spec(_leaf_name(path), x), weights,
+                                                is_leaf=lambda x: isinstance(x, BlockFP8))
 
     def shardings(self, weights: Any) -> Any:
         return jax.tree.map(self.named, self.weight_specs(weights), is_leaf=lambda x: isinstance(x, P))
