@@ -18,7 +18,7 @@ from jax import lax
 from ernie_jax import pallas as kernels
 from ernie_jax.config import ErnieConfig
 from ernie_jax.model import kv_cache as kvc
-from ernie_jax.model.layers import attention, linear, moe, rms_norm, rope, swiglu
+from ernie_jax.model.layers import attention, linear, moe, paged_attention_blocks, rms_norm, rope, swiglu
 from ernie_jax.sharding.attention import paged_attention_sharded
 from ernie_jax.sharding.expert_parallel import moe_ep
 from ernie_jax.sharding.rules import HIDDEN, KV_HEADS, Q_HEADS, ShardingPlan
@@ -66,9 +66,7 @@ def attention_block(x, w, cfg: ErnieConfig, positions, seg_cache=None, layer=Non
         else:
             # Pinning the gathered slots to the cache's own head layout keeps the partitioner from
             # re-laying out the whole page pool to match the query heads' split (a pool copy per layer).
-            ck, cv = (_constrain(x, plan, KV_HEADS) for x in kvc.read(seg_cache, layer, block_tables, q.dtype))
-            slots = jnp.broadcast_to(jnp.arange(ck.shape[1]), (B, ck.shape[1]))
-            out = attention(q, ck, cv, positions, slots)
+            out = paged_attention_blocks(*args, constrain=lambda x: _constrain(x, plan, KV_HEADS))
     return linear(out, w["o"], plan, "o"), seg_cache
 
 

@@ -2,11 +2,12 @@
 
 Arrays per segment: k, v [L, P, page, K, D]. A sequence owns a list of pages (its block-table row [n]);
 its token at position p lives in page block_table[p // page] at offset p % page. Writing scatters the new
-tokens there; reading gathers the sequence's pages into [B, n*page, K, D], where slot j holds position j,
-and layers.attention masks slots by position, so unwritten slots (and garbage pages behind unused
-block-table entries) are never seen. A contiguous cache is the special case of one page per sequence
-(`create(cfg, batch, max_len)` with block table row b = [b]). Right-padded tokens write slots that the
-sequence's later real tokens overwrite before any query can see them.
+tokens there; attention (layers.paged_attention_blocks, or the Pallas kernel) reads the pages through the
+block table only as far as the query positions reach, slot j holding position j, and masks slots by
+position, so unwritten slots (and garbage pages behind unused block-table entries) are never seen. A
+contiguous cache is the special case of one page per sequence (`create(cfg, batch, max_len)` with block
+table row b = [b]). Right-padded tokens write slots that the sequence's later real tokens overwrite
+before any query can see them.
 
 FP8 (`kv_cache_dtype="fp8"`): e4m3fn values plus one f32 dequant scale per (token, KV head). The scale is
 dynamic (amax over the head dim / 448, FastDeploy's block_wise_fp8 cache) unless the checkpoint ships
@@ -119,19 +120,6 @@ def layer_pages(seg: dict[str, jax.Array], layer: jax.Array, block_tables: jax.A
     num_pages = seg["k"].shape[1]
     flat = lambda name: seg[name].reshape(-1, *seg[name].shape[2:])  # noqa: E731 -- a bitcast, no copy
     return flat, block_tables + layer * num_pages
-
-
-def read(seg: dict[str, jax.Array], layer: jax.Array, block_tables: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-    """The sequences' slots of segment layer `layer` as (k, v) [B, n*page, K, D] in `dtype`; slot j holds
-    position j."""
-    pool, tables = layer_pages(seg, layer, block_tables)
-
-    def gather(name):
-        x = pool(name)[tables]  # [B, n, page, ...]
-        return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
-    if "k_scale" not in seg:
-        return gather("k").astype(dtype), gather("v").astype(dtype)
-    return tuple((gather(n).astype(jnp.float32) * gather(f"{n}_scale")[..., None]).astype(dtype) for n in ("k", "v"))
 
 
 def identity_block_tables(batch: int) -> jax.Array:

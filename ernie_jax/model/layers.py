@@ -77,6 +77,56 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos:
     return o.reshape(B, T, N * D).astype(q.dtype)
 
 
+PAGED_BLOCK_SLOTS = 64  # key slots per step of paged_attention_blocks
+
+
+def paged_attention_blocks(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, k_scale, v_scale,
+                           tables: jax.Array, positions: jax.Array, constrain=lambda x: x) -> jax.Array:
+    """`attention` over a paged KV cache, reading only the pages the batch's positions reach.
+
+    q [B,T,N,D] at positions [B,T] (-1: padding); k_pool, v_pool [P,page,K,D] (fp8 with scales k_scale,
+    v_scale [P,page,K], or None); tables [B,n]: slot j of row b is page tables[b, j // page]. Returns
+    [B,T,N*D] in q's dtype. The loop walks blocks of PAGED_BLOCK_SLOTS slots with an online softmax and
+    stops after the block holding the largest position, so a step costs what the sequences hold, not
+    the block tables' capacity (max_model_len). Later blocks would be fully masked and change nothing,
+    so a sequence's result does not depend on the others in its batch. `constrain` pins each gathered
+    block's sharding (the model passes the cache's KV-head layout)."""
+    B, T, N, D = q.shape
+    page, K = k_pool.shape[1], k_pool.shape[2]
+    bp = max(1, min(tables.shape[1], PAGED_BLOCK_SLOTS // page))  # pages per block
+    nb = -(-tables.shape[1] // bp)
+    tables = jnp.pad(tables, ((0, 0), (0, nb * bp - tables.shape[1])))  # past the end: masked by position
+    S = bp * page
+    qg = q.reshape(B, T, K, N // K, D)
+
+    def gather(pool, scale, ids):  # -> [B,S,K,D] in q's dtype
+        x = pool[ids]  # [B,bp,page,K,D]
+        if scale is not None:
+            x = x.astype(jnp.float32) * scale[ids][..., None]
+        return constrain(x.reshape(B, S, K, D).astype(q.dtype))
+
+    def body(i, carry):
+        m, denom, acc = carry  # [B,K,R,T], [B,K,R,T], [B,K,R,T,D] f32
+        ids = lax.dynamic_slice_in_dim(tables, i * bp, bp, axis=1)
+        k, v = gather(k_pool, k_scale, ids), gather(v_pool, v_scale, ids)
+        s = jnp.einsum("btkrd,bskd->bkrts", qg, k, preferred_element_type=jnp.float32) * (D ** -0.5)
+        visible = i * S + jnp.arange(S)[None, None, :] <= positions[:, :, None]  # [B,T,S]
+        s = jnp.where(visible[:, None, None], s, _NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        alpha = jnp.exp(m - m_new)
+        e = jnp.exp(s - m_new[..., None])
+        pv = jnp.einsum("bkrts,bskd->bkrtd", e.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return m_new, denom * alpha + jnp.sum(e, axis=-1), acc * alpha[..., None] + pv
+
+    R = N // K
+    init = (jnp.full((B, K, R, T), _NEG_INF, jnp.float32), jnp.zeros((B, K, R, T), jnp.float32),
+            jnp.zeros((B, K, R, T, D), jnp.float32))
+    n_blocks = jnp.clip(jnp.max(positions) // S + 1, 1, nb)
+    _, denom, acc = lax.fori_loop(0, n_blocks, body, init)
+    o = acc / jnp.maximum(denom, 1e-30)[..., None]  # [B,K,R,T,D]
+    return o.transpose(0, 3, 1, 2, 4).reshape(B, T, N * D).astype(q.dtype)
+
+
 def swiglu(x: jax.Array, up_gate: jax.Array, down: jax.Array, plan=None) -> jax.Array:
     """Paddle's fused `up_gate_proj` holds [gate | up] despite its name. (Shared experts are split like the
     dense FFN, so both pass the dense leaves' names.)"""

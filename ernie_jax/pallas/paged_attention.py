@@ -87,16 +87,7 @@ def paged_attention_pallas(q, k_pages, v_pages, k_scale, v_scale, block_tables, 
 
 
 def paged_attention_reference(q, k_pages, v_pages, k_scale, v_scale, block_tables, positions):
-    """The XLA path: gather the pages, dequantize, and run the model's attention (layers.attention)."""
-    from ernie_jax.model.layers import attention
+    """The XLA path: the model's blocked online-softmax attention over the pages (layers.paged_attention_blocks)."""
+    from ernie_jax.model.layers import paged_attention_blocks
     B, T, N, D = q.shape
-    n, page = block_tables.shape[1], k_pages.shape[1]
-
-    def gather(pages, scale):
-        x = pages[block_tables].astype(jnp.float32)  # [B, n, page, K, D]
-        if scale is not None:
-            x = x * scale[block_tables][..., None]
-        return x.reshape(B, n * page, *x.shape[3:])
-    slots = jnp.broadcast_to(jnp.arange(n * page), (B, n * page))
-    out = attention(q.astype(jnp.float32), gather(k_pages, k_scale), gather(v_pages, v_scale), positions, slots)
-    return out.reshape(B, T, N, D).astype(q.dtype)
+    return paged_attention_blocks(q, k_pages, v_pages, k_scale, v_scale, block_tables, positions).reshape(B, T, N, D)
