@@ -5,8 +5,7 @@ wrapper lays the rows out so that every group starts on a row-tile boundary (at 
 per group, a static bound), records each tile's group, and the kernel (the block_fp8_matmul kernel body
 with the tile's group picked from that table) never mixes two experts in one MMA tile. Empty groups get no
 tile. Rows past sum(group_sizes) produce zeros, as in `lax.ragged_dot`. Backend: Pallas-Triton, for the
-reasons in block_fp8_matmul.py, and
-like it on [K, N] or K-major [N, K] expert weights.
+reasons in block_fp8_matmul.py; like that kernel it takes [K, N] or K-major [N, K] weights.
 """
 
 from __future__ import annotations
