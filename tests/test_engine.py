@@ -70,6 +70,25 @@ def test_pd_programs_run_on_their_submeshes_and_pages_move_bit_identically():
     assert engine.allocator.free == engine.allocator.capacity
 
 
+def test_pd_prefills_a_burst_of_prompts_in_batches():
+    engine_llm = llm("pd")
+    engine = engine_llm.engine
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 256, int(n)).tolist() for n in rng.integers(1, 30, 6)]
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    shapes, run = [], engine.prefiller.run
+    engine.prefiller.run = lambda kind, ids, *a: shapes.append(ids.shape) or run(kind, ids, *a)
+    try:
+        outs = engine_llm.generate(prompt_token_ids=prompts, sampling_params=sp)
+    finally:
+        del engine.prefiller.run
+    assert any(B > 1 for B, _ in shapes)  # several prompts shared one prefill program on the prefill submesh
+    alone = llm("single").generate(prompt_token_ids=prompts, sampling_params=sp)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in alone]
+    assert engine.prefill_allocator.free == engine.prefill_allocator.capacity
+    assert engine.allocator.free == engine.allocator.capacity
+
+
 def test_64_concurrent_requests_more_than_the_cache_holds():
     model = golden_model()
     # 10 pages of 16 slots: at most 2-3 requests fit at once, the rest wait for pages.

@@ -4,10 +4,10 @@
 admitted request's next chunk, batched with the next ones whose chunks fit the same length bucket, up to
 `prefill_chunk` tokens: vLLM's max_num_batched_tokens), and one decode step for every running request;
 requests join and leave the decode batch at every step. Disaggregated (`prefill_devices` < mesh size):
-prefill runs on the first devices with its own copy of the weights and its own pool (one prompt at a
-time), decode on the rest; when a prompt is done its pages move to the decode pool in one batched
-transfer. Prefill and decode are dispatched before either result is read, so on
-disjoint devices they overlap. Colocated: both programs share one mesh and one pool.
+prefill runs on the first devices with its own copy of the weights and its own pool (room for one
+max_model_len prompt plus a batched step of short ones), decode on the rest; when a prompt is done its
+pages move to the decode pool in one batched transfer. Prefill and decode are dispatched before either
+result is read, so on disjoint devices they overlap. Colocated: both programs share one mesh and one pool.
 A request stops on EOS (unless ignore_eos), a stop token or string, max_tokens or max_model_len; `abort`
 frees its pages at once. Bad requests raise `RequestError` at `add_request` and leave the engine serving.
 """
@@ -117,12 +117,17 @@ class Engine:
                                      batch_invariant=batch_invariant)
         self.allocator = PageAllocator(num_pages, page_size)
         if prefill_model is not None:
-            self.prefiller = ModelPrograms(prefill_model, num_pages=self.max_pages + 1, page_size=page_size,
+            # The prefill pool holds a prompt of max_model_len plus a full batched step's worth of short
+            # prompts (max_num_batched_tokens), so a burst of prompts prefills in batches there too; a
+            # prompt's pages are freed as soon as they have moved to the decode pool.
+            prefill_pages = self.max_pages + -(-prefill_chunk // page_size) + 1
+            self.prefiller = ModelPrograms(prefill_model, num_pages=prefill_pages, page_size=page_size,
                                            max_pages_per_seq=self.max_pages, kv_cache_dtype=kv_cache_dtype,
-                                           prefill_buckets=prefill_shapes(chunks, self.prefill_chunk, 1),
+                                           prefill_buckets=prefill_shapes(chunks, prefill_chunk,
+                                                                          1 if batch_invariant else max_num_seqs),
                                            decode_buckets=[],
                                            name="prefill", batch_invariant=batch_invariant)
-            self.prefill_allocator = PageAllocator(self.max_pages + 1, page_size)
+            self.prefill_allocator = PageAllocator(prefill_pages, page_size)
             self.transfer = PageTransfer(self.prefiller, self.decoder)
         else:
             self.prefiller, self.prefill_allocator, self.transfer = self.decoder, None, None

@@ -29,7 +29,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from ernie_jax.model.ernie import ErnieForCausalLM
-from ernie_jax.model.forward import forward
+from ernie_jax.model.forward import forward, rope_cache
 from ernie_jax.model.kv_cache import KV_CACHE_DTYPES, KVCache
 from ernie_jax.model.weights import unstack_layers
 from ernie_jax.sampling import MAX_LOGPROBS, sample
@@ -122,6 +122,8 @@ class ModelPrograms:
         else:
             self.devices = [next(iter(jax.tree.leaves(self.weights)[0].devices()))]
             self.replicated = SingleDeviceSharding(self.devices[0])
+        self.weights["rope_cache"] = jax.device_put(rope_cache(self.cfg, page_size * max_pages_per_seq),
+                                                    self.replicated)
         dtype = KV_CACHE_DTYPES[kv_cache_dtype] or model.dtype
         if kv_cache_dtype == "auto" and dtype == jnp.bfloat16 and self.devices[0].platform == "cpu":
             # XLA:CPU has no bf16 scatter: it upcasts the whole pool to f32 and back around each KV write,

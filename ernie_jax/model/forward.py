@@ -18,7 +18,8 @@ from jax import lax
 from ernie_jax import pallas as kernels
 from ernie_jax.config import ErnieConfig
 from ernie_jax.model import kv_cache as kvc
-from ernie_jax.model.layers import attention, linear, moe, paged_attention_blocks, rms_norm, rope, swiglu
+from ernie_jax.model.layers import (attention, linear, moe, paged_attention_blocks, rms_norm, rope, rope_table,
+                                    swiglu)
 from ernie_jax.sharding.attention import paged_attention_sharded
 from ernie_jax.sharding.expert_parallel import moe_ep
 from ernie_jax.sharding.rules import HIDDEN, KV_HEADS, Q_HEADS, ShardingPlan
@@ -37,15 +38,34 @@ def _constrain(x, plan, logical):
     return lax.with_sharding_constraint(x, plan.activation(logical, x.shape))
 
 
-def attention_block(x, w, cfg: ErnieConfig, positions, seg_cache=None, layer=None, block_tables=None, plan=None):
-    """x [B,T,H] -> ([B,T,H], the segment's cache with this layer's new slots written, or None)."""
+def rope_cache(cfg: ErnieConfig, max_len: int) -> jax.Array:
+    """[max_len, 2, D/2] f32: the cos and sin of every position's rotary angles. The engine's programs carry
+    it beside the weights (weights["rope_cache"]) and look positions up in it: evaluated in the step, XLA
+    fuses the cos/sin into each layer's q and k rotations and recomputes them per head per layer."""
+    cos, sin = rope_table(jnp.arange(max_len, dtype=jnp.int32)[None], cfg.head_dim, cfg.rope_theta,
+                          cfg.compression_ratio)
+    return jnp.stack([cos[0], sin[0]], axis=1)
+
+
+def rotary_table(cfg: ErnieConfig, positions: jax.Array, cache: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) [B,T,D/2] at positions [B,T], from `cache` (rope_cache) when given."""
+    if cache is None:
+        return rope_table(positions, cfg.head_dim, cfg.rope_theta, cfg.compression_ratio)
+    cs = jnp.take(cache, positions, axis=0, mode="clip")  # padding positions (-1) read row 0, masked later
+    return cs[:, :, 0], cs[:, :, 1]
+
+
+def attention_block(x, w, cfg: ErnieConfig, positions, seg_cache=None, layer=None, block_tables=None, plan=None,
+                    rotary=None):
+    """x [B,T,H] -> ([B,T,H], the segment's cache with this layer's new slots written, or None).
+    rotary: rotary_table(cfg, positions), when the caller shares one table between layers."""
     B, T, _ = x.shape
+    rotary = rotary_table(cfg, positions) if rotary is None else rotary
     qkv = linear(x, w["qkv"], plan, "qkv")
     q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
-    q = rope(q.reshape(B, T, cfg.num_attention_heads, cfg.head_dim), positions, cfg.rope_theta,
-             cfg.compression_ratio)
-    k = rope(k.reshape(B, T, cfg.num_key_value_heads, cfg.head_dim), positions, cfg.rope_theta,
-             cfg.compression_ratio)
+    q = rope(q.reshape(B, T, cfg.num_attention_heads, cfg.head_dim), rotary)
+    k = rope(k.reshape(B, T, cfg.num_key_value_heads, cfg.head_dim), rotary)
     v = v.reshape(B, T, cfg.num_key_value_heads, cfg.head_dim)
     q, k, v = _constrain(q, plan, Q_HEADS), _constrain(k, plan, KV_HEADS), _constrain(v, plan, KV_HEADS)
     if seg_cache is None:
@@ -71,10 +91,10 @@ def attention_block(x, w, cfg: ErnieConfig, positions, seg_cache=None, layer=Non
 
 
 def decoder_layer(h, w, kind: str, cfg: ErnieConfig, positions, seg_cache=None, layer=None, block_tables=None,
-                  plan=None, batch_invariant: bool = False):
+                  plan=None, batch_invariant: bool = False, rotary=None):
     """Pre-norm residual block. Returns (h, seg_cache, expert ids or None)."""
     a, seg_cache = attention_block(rms_norm(h, w["input_norm"], cfg.rms_norm_eps), w, cfg, positions,
-                                   seg_cache, layer, block_tables, plan)
+                                   seg_cache, layer, block_tables, plan, rotary)
     h = h + a
     x = rms_norm(h, w["post_norm"], cfg.rms_norm_eps)
     if kind == "dense":
@@ -87,8 +107,8 @@ def decoder_layer(h, w, kind: str, cfg: ErnieConfig, positions, seg_cache=None, 
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "cfg", "plan", "batch_invariant"))
-def _layer_call(h, w, seg_cache, layer, positions, block_tables, *, kind, cfg, plan, batch_invariant):
-    return decoder_layer(h, w, kind, cfg, positions, seg_cache, layer, block_tables, plan, batch_invariant)
+def _layer_call(h, w, seg_cache, layer, positions, rotary, block_tables, *, kind, cfg, plan, batch_invariant):
+    return decoder_layer(h, w, kind, cfg, positions, seg_cache, layer, block_tables, plan, batch_invariant, rotary)
 
 
 def lm_head(weights, h: jax.Array) -> jax.Array:
@@ -116,19 +136,21 @@ def forward(weights: dict[str, Any], cfg: ErnieConfig, input_ids: jax.Array, pos
     if cache is not None and block_tables is None:
         block_tables = kvc.identity_block_tables(B)
     h = _constrain(weights["embed"][input_ids], plan, HIDDEN)
+    rotary = rotary_table(cfg, positions, weights.get("rope_cache"))
     new_segments, expert_ids = [], []
     for s, seg in enumerate(cfg.layer_segments()):
         seg_cache = None if cache is None else cache.segment(s)
         layer_fn = functools.partial(decoder_layer, kind=seg.kind, cfg=cfg, positions=positions,
-                                     block_tables=block_tables, plan=plan, batch_invariant=batch_invariant)
+                                     block_tables=block_tables, plan=plan, batch_invariant=batch_invariant,
+                                     rotary=rotary)
         seg_w = weights["segments"][s]
         if isinstance(seg_w, list):
             ids = []
             for layer, w in enumerate(seg_w):
                 # A nested jit with the layer index as data: every layer of the segment has the same
                 # signature, so the layer is traced once (as under scan) and XLA inlines each call.
-                h, seg_cache, layer_ids = _layer_call(h, w, seg_cache, jnp.int32(layer), positions, block_tables,
-                                                      kind=seg.kind, cfg=cfg, plan=plan,
+                h, seg_cache, layer_ids = _layer_call(h, w, seg_cache, jnp.int32(layer), positions, rotary,
+                                                      block_tables, kind=seg.kind, cfg=cfg, plan=plan,
                                                       batch_invariant=batch_invariant)
                 ids.append(layer_ids)
             ids = None if seg.kind == "dense" else jnp.stack(ids)

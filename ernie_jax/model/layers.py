@@ -48,13 +48,18 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return (y * w.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float, compression_ratio: float = 1.0) -> jax.Array:
-    """Rotate each adjacent pair (x[2i], x[2i+1]) by angle p * theta^(-2i/D).  x [B,T,*,D], positions [B,T]."""
-    D = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, D, 2, dtype=jnp.float32) / D))
-    ang = (positions.astype(jnp.float32) / compression_ratio)[..., None] * inv_freq  # [B,T,D/2]
-    cos = jnp.cos(ang)[:, :, None, :]
-    sin = jnp.sin(ang)[:, :, None, :]
+def rope_table(positions: jax.Array, head_dim: int, theta: float, compression_ratio: float = 1.0
+               ) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of each position's rotary angles p * theta^(-2i/D), each [B,T,D/2] f32 (positions [B,T]);
+    one table serves every layer's q and k (forward.rotary_table)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    ang = (positions.astype(jnp.float32) / compression_ratio)[..., None] * inv_freq
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def rope(x: jax.Array, table: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Rotate each adjacent pair (x[2i], x[2i+1]) by its angle in `table` (rope_table). x [B,T,*,D]."""
+    cos, sin = (a[:, :, None, :] for a in table)
     xf = x.astype(jnp.float32)
     x0, x1 = xf[..., 0::2], xf[..., 1::2]
     out = jnp.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], axis=-1)
@@ -131,8 +136,16 @@ def swiglu(x: jax.Array, up_gate: jax.Array, down: jax.Array, plan=None) -> jax.
     """Paddle's fused `up_gate_proj` holds [gate | up] despite its name. (Shared experts are split like the
     dense FFN, so both pass the dense leaves' names.)"""
     u = linear(x, up_gate, plan, "up_gate")
-    gate, up = jnp.split(u, 2, axis=-1)
-    return linear(jax.nn.silu(gate) * up, down, plan, "down")
+    return linear(silu_mul(*jnp.split(u, 2, axis=-1)), down, plan, "down")
+
+
+def silu_mul(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """silu(gate) * up, rounded as the reference kernels round: silu in fp32 rounded once to the activation
+    dtype, then the product rounded once. (A bf16 `jax.nn.silu` would round after each of its elementwise
+    ops, and XLA:CPU emulates each of those roundings, which made this the costliest elementwise op of a
+    prefill.)"""
+    s = jax.nn.silu(gate.astype(jnp.float32)).astype(gate.dtype)
+    return (s.astype(jnp.float32) * up.astype(jnp.float32)).astype(gate.dtype)
 
 
 def route(x: jax.Array, router: jax.Array, bias: jax.Array, cfg: ErnieConfig) -> tuple[jax.Array, jax.Array]:
@@ -163,8 +176,7 @@ def sort_by_expert(ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Arr
 def grouped_swiglu(xs: jax.Array, up_gate: jax.Array, down: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """SwiGLU experts over rows sorted by expert (ragged groups): xs [M,H], up_gate [E,H,2F], down [E,F,H]."""
     u = _ragged_dot(xs, up_gate, group_sizes)
-    gate, up = jnp.split(u.astype(xs.dtype), 2, axis=-1)
-    return _ragged_dot(jax.nn.silu(gate) * up, down, group_sizes).astype(xs.dtype)
+    return _ragged_dot(silu_mul(*jnp.split(u.astype(xs.dtype), 2, axis=-1)), down, group_sizes).astype(xs.dtype)
 
 
 def _ragged_dot(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
