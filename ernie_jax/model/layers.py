@@ -86,7 +86,8 @@ PAGED_BLOCK_SLOTS = 64  # key slots per step of paged_attention_blocks
 
 
 def paged_attention_blocks(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, k_scale, v_scale,
-                           tables: jax.Array, positions: jax.Array, constrain=lambda x: x) -> jax.Array:
+                           tables: jax.Array, positions: jax.Array, constrain=lambda x: x,
+                           one_block: bool = False) -> jax.Array:
     """`attention` over a paged KV cache, reading only the pages the batch's positions reach.
 
     q [B,T,N,D] at positions [B,T] (-1: padding); k_pool, v_pool [P,page,K,D] (fp8 with scales k_scale,
@@ -94,11 +95,12 @@ def paged_attention_blocks(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, k
     [B,T,N*D] in q's dtype. The loop walks blocks of PAGED_BLOCK_SLOTS slots with an online softmax and
     stops after the block holding the largest position, so a step costs what the sequences hold, not
     the block tables' capacity (max_model_len). Later blocks would be fully masked and change nothing,
-    so a sequence's result does not depend on the others in its batch. `constrain` pins each gathered
-    block's sharding (the model passes the cache's KV-head layout)."""
+    so a sequence's result does not depend on the others in its batch. one_block: read the whole table
+    in one block, without a loop. `constrain` pins each gathered block's sharding (the model passes
+    the cache's KV-head layout)."""
     B, T, N, D = q.shape
     page, K = k_pool.shape[1], k_pool.shape[2]
-    bp = max(1, min(tables.shape[1], PAGED_BLOCK_SLOTS // page))  # pages per block
+    bp = tables.shape[1] if one_block else max(1, min(tables.shape[1], PAGED_BLOCK_SLOTS // page))
     nb = -(-tables.shape[1] // bp)
     tables = jnp.pad(tables, ((0, 0), (0, nb * bp - tables.shape[1])))  # past the end: masked by position
     S = bp * page
@@ -126,8 +128,10 @@ def paged_attention_blocks(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, k
     R = N // K
     init = (jnp.full((B, K, R, T), _NEG_INF, jnp.float32), jnp.zeros((B, K, R, T), jnp.float32),
             jnp.zeros((B, K, R, T, D), jnp.float32))
-    n_blocks = jnp.clip(jnp.max(positions) // S + 1, 1, nb)
-    _, denom, acc = lax.fori_loop(0, n_blocks, body, init)
+    if nb == 1:
+        _, denom, acc = body(0, init)
+    else:
+        _, denom, acc = lax.fori_loop(0, jnp.clip(jnp.max(positions) // S + 1, 1, nb), body, init)
     o = acc / jnp.maximum(denom, 1e-30)[..., None]  # [B,K,R,T,D]
     return o.transpose(0, 3, 1, 2, 4).reshape(B, T, N * D).astype(q.dtype)
 
