@@ -120,7 +120,7 @@ class Engine:
             # The prefill pool holds a prompt of max_model_len plus a full batched step's worth of short
             # prompts (max_num_batched_tokens), so a burst of prompts prefills in batches there too; a
             # prompt's pages are freed as soon as they have moved to the decode pool.
-            prefill_pages = self.max_pages + -(-prefill_chunk // page_size) + 1
+            prefill_pages = self.max_pages + min(-(-prefill_chunk // page_size), max_num_seqs * self.max_pages) + 1
             self.prefiller = ModelPrograms(prefill_model, num_pages=prefill_pages, page_size=page_size,
                                            max_pages_per_seq=self.max_pages, kv_cache_dtype=kv_cache_dtype,
                                            prefill_buckets=prefill_shapes(chunks, prefill_chunk,
