@@ -80,7 +80,7 @@ def offline(args) -> int:
         kw = {"do_sample": False, "max_new_tokens": args.output_len, "min_new_tokens": args.output_len,
               "eos_token_id": None, "pad_token_id": 0}
         with torch.no_grad():
-            hf.generate(ids, max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
+            hf.generate(ids, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
     # The stacks alternate, so a slow spell of a shared machine hits both; the ratio is the median of the
     # ratios of adjacent runs.
     walls, hf_walls, ttft, tpot = [], [], [], []

@@ -3,8 +3,8 @@
 Arrays per segment: k, v [L, P, page, K, D]. A sequence owns a list of pages (its block-table row [n]);
 its token at position p lives in page block_table[p // page] at offset p % page. Writing scatters the new
 tokens there; attention (layers.paged_attention_blocks, or the Pallas kernel) reads the pages through the
-block table only as far as the query positions reach, slot j holding position j, and masks slots by
-position, so unwritten slots (and garbage pages behind unused block-table entries) are never seen. A
+block table (unsharded, only as far as the query positions reach), slot j holding position j, and masks
+slots by position, so unwritten slots (and garbage pages behind unused block-table entries) are never seen. A
 contiguous cache is the special case of one page per sequence (`create(cfg, batch, max_len)` with block
 table row b = [b]). Right-padded tokens write slots that the sequence's later real tokens overwrite
 before any query can see them.
