@@ -56,12 +56,13 @@ def test_expert_capacities_cover_every_load():
         assert caps[0] >= min(-(-tokens * k // experts), tokens)  # nothing below the mean load
 
 
+@pytest.mark.parametrize("k_major", [False, True], ids=["in_out", "k_major"])
 @pytest.mark.parametrize("skew", [False, True], ids=["random", "skewed"])
 @pytest.mark.parametrize("first, local", [(0, 8), (2, 2), (6, 2)])
-def test_capacity_path_matches_ragged_path(skew, first, local):
+def test_capacity_path_matches_ragged_path(skew, first, local, k_major):
     """The CPU capacity formulation against the grouped-matmul one, for all experts and for a device's slice
     of them (expert parallelism), with routing spread out and with every token on the same two experts
-    (the largest capacity is taken: nothing is dropped)."""
+    (the largest capacity is taken: nothing is dropped), with the weights stored [E,in,out] and K-major."""
     T, H, F, E, k = 19, 32, 16, 8, 2
     key = jax.random.split(jax.random.key(0), 4)
     x = jax.random.normal(key[0], (T, H))
@@ -72,11 +73,14 @@ def test_capacity_path_matches_ragged_path(skew, first, local):
         pick(jax.random.split(key[3], T)).astype(jnp.int32)
     w = jax.nn.softmax(jax.random.normal(key[3], (T, k)), axis=-1)
     ug, dn = up_gate[first:first + local], down[first:first + local]
+    if k_major:
+        ug, dn = jnp.swapaxes(ug, 1, 2), jnp.swapaxes(dn, 1, 2)
     out = {}
     for impl in ("capacity", "ragged"):
         layers.EXPERT_IMPL = impl
         try:
-            out[impl] = np.asarray(jax.jit(lambda *a: layers.routed_experts(*a, E, first))(x, w, ids, ug, dn))
+            out[impl] = np.asarray(jax.jit(lambda *a: layers.routed_experts(*a, E, first, k_major=k_major))(
+                x, w, ids, ug, dn))
         finally:
             layers.EXPERT_IMPL = "auto"
     # reference: each assignment to a local expert, one at a time
@@ -88,5 +92,6 @@ def test_capacity_path_matches_ragged_path(skew, first, local):
                 ref[t] += float(w[t, j]) * np.asarray(layers.swiglu(x[t:t + 1], up_gate[e], down[e]))[0]
     np.testing.assert_allclose(out["capacity"], ref, atol=1e-5)
     np.testing.assert_allclose(out["ragged"], ref, atol=1e-5)
-    invariant = jax.jit(lambda *a: layers.routed_experts(*a, E, first, batch_invariant=True))(x, w, ids, ug, dn)
+    invariant = jax.jit(lambda *a: layers.routed_experts(*a, E, first, batch_invariant=True, k_major=k_major))(
+        x, w, ids, ug, dn)
     np.testing.assert_allclose(np.asarray(invariant), ref, atol=1e-5)

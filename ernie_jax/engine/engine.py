@@ -24,7 +24,8 @@ import jax
 import numpy as np
 
 from ernie_jax.engine.pages import PageAllocator
-from ernie_jax.engine.programs import ModelPrograms, PageTransfer, buckets, prefill_shapes
+from ernie_jax.engine.programs import (ModelPrograms, PageTransfer, buckets, decode_buckets, platform,
+                                       prefill_shapes)
 from ernie_jax.model.ernie import ErnieForCausalLM
 from ernie_jax.sampling import SamplingParams
 from ernie_jax.tokenizer import IncrementalDetokenizer
@@ -108,11 +109,12 @@ class Engine:
         self.eos_token_ids, self.tokenizer = frozenset(eos_token_ids), tokenizer
         t0 = time.perf_counter()
         chunks = buckets(self.prefill_chunk, 16)
+        batches = decode_buckets(max_num_seqs, platform(model) == "cpu", batch_invariant)
         self.decoder = ModelPrograms(model, num_pages=num_pages, page_size=page_size,
                                      max_pages_per_seq=self.max_pages, kv_cache_dtype=kv_cache_dtype,
                                      prefill_buckets=[] if prefill_model is not None else
                                      prefill_shapes(chunks, prefill_chunk, 1 if batch_invariant else max_num_seqs),
-                                     decode_buckets=[max_num_seqs] if batch_invariant else buckets(max_num_seqs),
+                                     decode_buckets=batches,
                                      name="decode" if prefill_model is not None else "colocated",
                                      batch_invariant=batch_invariant)
         self.allocator = PageAllocator(num_pages, page_size)

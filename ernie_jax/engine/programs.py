@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from ernie_jax.model.ernie import ErnieForCausalLM
 from ernie_jax.model.forward import forward, rope_cache
 from ernie_jax.model.kv_cache import KV_CACHE_DTYPES, KVCache
-from ernie_jax.model.weights import unstack_layers
+from ernie_jax.model.weights import cpu_layout
 from ernie_jax.sampling import MAX_LOGPROBS, sample
 
 log = logging.getLogger("ernie_jax.engine")
@@ -66,6 +66,20 @@ def _expert_counts(expert_ids, logit_positions, shape, cfg) -> jax.Array:
     ids = jnp.concatenate(expert_ids)  # [L_moe, B*T, k]
     w = jnp.broadcast_to(valid[None, :, None], ids.shape)
     return jax.vmap(lambda i, v: jnp.bincount(i.reshape(-1), v.reshape(-1), length=cfg.moe_num_experts))(ids, w)
+
+
+def platform(model: ErnieForCausalLM) -> str:
+    """The platform ("cpu", "gpu", "tpu") the model's weights live on."""
+    return next(iter(jax.tree.leaves(model.weights())[0].devices())).platform
+
+
+def decode_buckets(max_num_seqs: int, on_cpu: bool, batch_invariant: bool = False) -> list[int]:
+    """Decode batch sizes: powers of two up to max_num_seqs (only max_num_seqs when batch_invariant). On
+    CPU at least 2 rows: XLA:CPU runs a one-row matmul (a matrix-vector product) through a fallback that
+    converts the weights to f32 on every call (a decode step of the bench model took 280 ms for one
+    sequence, 26 ms for two), so a lone sequence decodes beside a padding row."""
+    rows = max(max_num_seqs, 2) if on_cpu else max_num_seqs
+    return [rows] if batch_invariant else buckets(rows, 2 if on_cpu else 1)
 
 
 def buckets(limit: int, start: int = 1) -> list[int]:
@@ -113,8 +127,8 @@ class ModelPrograms:
         """prefill_buckets: (B, T) shapes, with (1, T) for every chunk length T; decode_buckets: batch sizes."""
         self.cfg, self.plan, self.name = model.config, model.plan, name
         self.weights = model.weights()
-        if next(iter(jax.tree.leaves(self.weights)[0].devices())).platform == "cpu":
-            self.weights = unstack_layers(self.weights)  # why: weights.unstack_layers
+        if platform(model) == "cpu":
+            self.weights = cpu_layout(self.weights)  # why: weights.cpu_layout
         self.page_size, self.max_pages = page_size, max_pages_per_seq
         if self.plan is not None:
             self.devices = list(self.plan.mesh.devices.flat)

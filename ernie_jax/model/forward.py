@@ -2,7 +2,7 @@
 
 `forward` runs embedding -> decoder segments -> final norm -> LM head. Each segment (a run of dense or of
 MoE layers) is one `lax.scan` over its stacked weights, so compile time does not grow with depth; the
-engine unrolls the layers on CPU instead (weights.unstack_layers says why).
+engine unrolls the layers on CPU instead (weights.cpu_layout says why).
 `mtp_forward` runs the multi-token-prediction block (spec section 5.1).
 """
 
@@ -133,7 +133,7 @@ def forward(weights: dict[str, Any], cfg: ErnieConfig, input_ids: jax.Array, pos
     `plan`: run sharded on plan.mesh (weights and cache placed by the same plan); None runs unsharded.
     `batch_invariant`: a row's result must not depend on the other rows (layers.routed_experts).
     A segment's weights are either stacked [L, ...] (one lax.scan) or a list of per-layer pytrees
-    (weights.unstack_layers; the layers are unrolled)."""
+    (weights.cpu_layout; the layers are unrolled)."""
     B, T = input_ids.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))

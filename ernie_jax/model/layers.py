@@ -11,6 +11,7 @@ E experts, F FFN width, k experts per token.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -205,11 +206,12 @@ def ragged_experts() -> bool:
 
 
 def expert_capacities(tokens: int, k: int, num_experts: int) -> list[int]:
-    """The per-expert row capacities a step picks from, ascending: powers of two from the mean load up to
-    `tokens`. A token picks an expert at most once, so no expert gets more than `tokens` rows and the last
-    capacity always holds every assignment. (Each capacity is a branch of the compiled program: finer steps
-    would pad less but compile slower.)"""
-    mean = -(-tokens * k // num_experts)
+    """The per-expert row capacities a step picks from, ascending: powers of two from the mean load (and
+    from 2: XLA:CPU runs one-row matmuls through a slow f32 fallback) up to `tokens`. A token picks an
+    expert at most once, so no expert gets more than `tokens` rows and the last capacity always holds every
+    assignment. (Each capacity is a branch of the compiled program: finer steps would pad less but compile
+    slower.)"""
+    mean = max(-(-tokens * k // num_experts), 2)
     out, c = [], 1
     while c < tokens:
         if c >= mean:
@@ -218,8 +220,22 @@ def expert_capacities(tokens: int, k: int, num_experts: int) -> list[int]:
     return out + [tokens]
 
 
+def expert_weights(w: dict) -> tuple[Any, Any, bool]:
+    """(up_gate, down, k_major) of a MoE layer's routed experts: [E,H,2F] and [E,F,H], or, under the
+    `_kmajor` names, stored [E,2F,H] and [E,H,F] (weights.cpu_layout says when and why)."""
+    if "experts_up_gate_kmajor" in w:
+        return w["experts_up_gate_kmajor"], w["experts_down_kmajor"], True
+    return w["experts_up_gate"], w["experts_down"], False
+
+
+def in_out(w, k_major: bool):
+    """An expert weight stack as [E, in, out], the layout the grouped matmuls take."""
+    return jnp.swapaxes(w, 1, 2) if k_major else w
+
+
 def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, up_gate, down, num_experts: int,
-                   first_expert: jax.Array | int = 0, batch_invariant: bool = False) -> jax.Array:
+                   first_expert: jax.Array | int = 0, batch_invariant: bool = False,
+                   k_major: bool = False) -> jax.Array:
     """The routed-expert output of the experts [first_expert, first_expert + E_local) held in up_gate/down.
 
     x [T,H]; weights, ids [T,k]. With every expert local this is the whole routed output; under expert
@@ -227,11 +243,12 @@ def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, up_gate, do
     assignment to a local expert is computed, whatever the load.
     batch_invariant: on the capacity path, always use the largest capacity, so a token's result never
     depends on how the other tokens were routed.
+    k_major: up_gate/down are stored [E, out, in] (expert_weights).
     """
     if not ragged_experts():
         caps = expert_capacities(ids.shape[0], ids.shape[1], num_experts)
         caps = caps[-1:] if batch_invariant else caps
-        run = [functools.partial(_capacity_experts, capacity=c) for c in caps]
+        run = [functools.partial(_capacity_experts, capacity=c, k_major=k_major) for c in caps]
         if len(run) == 1:
             return run[0](x, weights, ids, up_gate, down, first_expert)
         local = up_gate.shape[0]
@@ -241,6 +258,7 @@ def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, up_gate, do
                           first_expert)
     T, k = ids.shape
     local = up_gate.shape[0]
+    up_gate, down = in_out(up_gate, k_major), in_out(down, k_major)
     order, inverse, sizes = sort_by_expert(ids, num_experts)
     xs = x[order // k]
     if local == num_experts:
@@ -263,12 +281,15 @@ def _local_assignments(ids: jax.Array, first_expert, local: int) -> tuple[jax.Ar
     return e, (e >= 0) & (e < local)
 
 
-def _capacity_experts(x, weights, ids, up_gate, down, first_expert, *, capacity: int) -> jax.Array:
+def _capacity_experts(x, weights, ids, up_gate, down, first_expert, *, capacity: int, k_major: bool) -> jax.Array:
     """Routed experts as one batched matmul over the local experts, each given `capacity` row slots.
 
     The caller picks a capacity at least the largest local expert load, so every assignment gets a slot
     (nothing is dropped); empty slots compute on zeros. XLA:CPU runs this batched matmul straight from the
     expert weights' layout, and its cost follows the routed load rather than T*E_local.
+    K-major weights ([E,out,in]) are the left operand of each matmul and the rows stay transposed in
+    between ([E,2F,C], [E,H,C]): XLA:CPU's bf16 matmul then reads the weights in place, about twice as
+    fast at decode, where reading them is the cost, as from the [E,in,out] right operand.
     """
     T, k = ids.shape
     local, C = up_gate.shape[0], capacity
@@ -276,10 +297,21 @@ def _capacity_experts(x, weights, ids, up_gate, down, first_expert, *, capacity:
     hot = (e[:, None] == jnp.arange(local)).astype(jnp.int32)  # [T*k, E_local]
     rank = jnp.sum((jnp.cumsum(hot, axis=0) - 1) * hot, axis=-1)  # the assignment's row within its expert
     slot = jnp.where(mine, e * C + rank, local * C)  # other devices' experts go to a slot past the end
-    xs = jnp.zeros((local * C, x.shape[-1]), x.dtype).at[slot].set(jnp.repeat(x, k, axis=0), mode="drop")
-    ys = jax.vmap(swiglu)(xs.reshape(local, C, -1), up_gate, down).reshape(local * C, -1)
-    ys = jnp.take(ys, slot, axis=0, mode="fill", fill_value=0).reshape(T, k, -1)  # [T,k,H], 0 if not local
-    return jnp.einsum("tkh,tk->th", ys, weights.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+    # The token in each slot (T, a zero row, for empty ones): a gather of x's rows, where scattering them
+    # would make XLA:CPU scatter in f32 and hand the matmul f32 rows (and so f32 copies of the weights).
+    src = jnp.full((local * C + 1,), T, jnp.int32).at[slot].set(jnp.arange(T * k, dtype=jnp.int32) // k)
+    xs = jnp.take(x, src[:-1].reshape(local, C), axis=0, mode="fill", fill_value=0)  # [E_local,C,H]
+    if k_major:
+        batched = functools.partial(lax.dot_general, preferred_element_type=jnp.float32)
+        h = batched(up_gate, xs, (((2,), (2,)), ((0,), (0,)))).astype(x.dtype)  # [E_local,2F,C]
+        a = silu_mul(*jnp.split(h, 2, axis=1))  # [E_local,F,C]
+        ys_t = batched(down, a, (((2,), (1,)), ((0,), (0,)))).astype(x.dtype)  # [E_local,H,C]
+        ys = jnp.where(mine[:, None], ys_t[jnp.where(mine, e, 0), :, rank], 0)  # [T*k,H]
+    else:
+        ys = jax.vmap(swiglu)(xs, up_gate, down).reshape(local * C, -1)
+        ys = jnp.take(ys, slot, axis=0, mode="fill", fill_value=0)  # [T*k,H], 0 if not local
+    return jnp.einsum("tkh,tk->th", ys.reshape(T, k, -1), weights.astype(x.dtype),
+                      preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def moe(x: jax.Array, w: dict, cfg: ErnieConfig, batch_invariant: bool = False) -> tuple[jax.Array, jax.Array]:
@@ -289,8 +321,9 @@ def moe(x: jax.Array, w: dict, cfg: ErnieConfig, batch_invariant: bool = False) 
     """
     x2 = x.reshape(-1, x.shape[-1])
     weights, ids = route(x2, w["router"], w["router_bias"], cfg)
-    y = routed_experts(x2, weights, ids, w["experts_up_gate"], w["experts_down"], cfg.moe_num_experts,
-                       batch_invariant=batch_invariant)
+    up_gate, down, k_major = expert_weights(w)
+    y = routed_experts(x2, weights, ids, up_gate, down, cfg.moe_num_experts, batch_invariant=batch_invariant,
+                       k_major=k_major)
     return (y + shared_experts(x2, w)).reshape(x.shape), ids
 
 

@@ -161,24 +161,53 @@ def param_counts(cfg: ErnieConfig) -> dict[str, int]:
     return {"total": total, "active": active, "mtp": mtp}
 
 
-def unstack_layers(weights: dict[str, Any]) -> dict[str, Any]:
-    """The weights with each segment's stacked [L, ...] leaves split into a list of L per-layer pytrees, each
-    leaf its own buffer on the same devices (sharded like the stacked leaf, less the layer axis).
-
-    forward() unrolls such segments. The engine does this on CPU: XLA:CPU copies each layer's weights out
-    of the stack on every step of a lax.scan (a dynamic slice feeding a matmul), which made the bench
-    model's decode step 8x slower in bf16; accelerators read the slice in place and keep the scan.
+def cpu_layout(weights: dict[str, Any]) -> dict[str, Any]:
+    """The weights as the engine runs them on XLA:CPU, each leaf its own buffer on the same devices (sharded
+    like its stacked leaf):
+    - each segment's stacked [L, ...] leaves split into a list of L per-layer pytrees, which forward()
+      unrolls. XLA:CPU copies a layer's weights out of the stack on every step of a lax.scan (a dynamic
+      slice feeding a matmul), which made the bench model's decode step 8x slower in bf16; accelerators
+      read the slice in place and keep the scan.
+    - the routed experts' plain (not block-FP8) matrices stored K-major, [E, out, in], under the
+      `experts_up_gate_kmajor` / `experts_down_kmajor` names (layers.expert_weights): XLA:CPU's bf16
+      matmul reads a weight in place as the left operand and repacks it as the right one, which made the
+      expert matmuls of a decode step twice as slow.
     """
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    def layer_sharding(a):
+    def layer_sharding(a, k_major):
         s = a.sharding
-        return NamedSharding(s.mesh, P(*tuple(s.spec)[1:])) if isinstance(s, NamedSharding) else s
+        if not isinstance(s, NamedSharding):
+            return s
+        spec = list(tuple(s.spec)[1:]) + [None] * (a.ndim - len(s.spec))
+        if k_major:
+            spec[-2:] = spec[:-3:-1]
+        return NamedSharding(s.mesh, P(*spec))
+
+    def k_major(name, a):
+        return name in ("experts_up_gate", "experts_down") and not isinstance(a, BlockFP8)
+
+    def layer(seg, i):
+        out = {}
+        for name, a in seg.items():
+            if k_major(name, a):
+                out[name + "_kmajor"] = jnp.swapaxes(a[i], -1, -2)
+            else:
+                out[name] = jax.tree.map(lambda a: a[i], a)
+        return out
+
+    def shardings(seg):
+        out = {}
+        for name, a in seg.items():
+            if k_major(name, a):
+                out[name + "_kmajor"] = layer_sharding(a, True)
+            else:
+                out[name] = jax.tree.map(lambda a: layer_sharding(a, False), a)
+        return out
 
     segments = []
     for seg in weights["segments"]:
         count = jax.tree.leaves(seg)[0].shape[0]
-        split = jax.jit(lambda seg: [jax.tree.map(lambda a: a[i], seg) for i in range(count)],
-                        out_shardings=[jax.tree.map(layer_sharding, seg)] * count)
+        split = jax.jit(lambda seg: [layer(seg, i) for i in range(count)], out_shardings=[shardings(seg)] * count)
         segments.append(split(seg))
     return {**weights, "segments": segments}
