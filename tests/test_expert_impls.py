@@ -56,13 +56,17 @@ def test_expert_capacities_cover_every_load():
         assert caps[0] >= min(-(-tokens * k // experts), tokens)  # nothing below the mean load
 
 
-@pytest.mark.parametrize("k_major", [False, True], ids=["in_out", "k_major"])
+@pytest.mark.parametrize("layout", ["in_out", "k_major_columns", "k_major_rows"])
 @pytest.mark.parametrize("skew", [False, True], ids=["random", "skewed"])
 @pytest.mark.parametrize("first, local", [(0, 8), (2, 2), (6, 2)])
-def test_capacity_path_matches_ragged_path(skew, first, local, k_major):
+def test_capacity_path_matches_ragged_path(skew, first, local, layout, monkeypatch):
     """The CPU capacity formulation against the grouped-matmul one, for all experts and for a device's slice
     of them (expert parallelism), with routing spread out and with every token on the same two experts
-    (the largest capacity is taken: nothing is dropped), with the weights stored [E,in,out] and K-major."""
+    (the largest capacity is taken: nothing is dropped), with the weights stored [E,in,out] and K-major
+    (in both orientations of the K-major matmuls)."""
+    k_major = layout != "in_out"
+    if layout == "k_major_rows":
+        monkeypatch.setattr(layers, "KMAJOR_COLUMN_CAPACITY", 0)
     T, H, F, E, k = 19, 32, 16, 8, 2
     key = jax.random.split(jax.random.key(0), 4)
     x = jax.random.normal(key[0], (T, H))

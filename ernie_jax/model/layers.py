@@ -281,15 +281,21 @@ def _local_assignments(ids: jax.Array, first_expert, local: int) -> tuple[jax.Ar
     return e, (e >= 0) & (e < local)
 
 
+# Up to this capacity, K-major experts keep the rows transposed (_capacity_experts says why).
+KMAJOR_COLUMN_CAPACITY = 32
+
+
 def _capacity_experts(x, weights, ids, up_gate, down, first_expert, *, capacity: int, k_major: bool) -> jax.Array:
     """Routed experts as one batched matmul over the local experts, each given `capacity` row slots.
 
     The caller picks a capacity at least the largest local expert load, so every assignment gets a slot
     (nothing is dropped); empty slots compute on zeros. XLA:CPU runs this batched matmul straight from the
     expert weights' layout, and its cost follows the routed load rather than T*E_local.
-    K-major weights ([E,out,in]) are the left operand of each matmul and the rows stay transposed in
-    between ([E,2F,C], [E,H,C]): XLA:CPU's bf16 matmul then reads the weights in place, about twice as
-    fast at decode, where reading them is the cost, as from the [E,in,out] right operand.
+    K-major weights ([E,out,in]): up to KMAJOR_COLUMN_CAPACITY rows per expert (decode), the weights are
+    the left operand of each matmul and the rows stay transposed in between ([E,2F,C], [E,H,C]); XLA:CPU's
+    bf16 matmul then reads the weights in place, about twice as fast as from the [E,in,out] right operand,
+    and at decode reading them is the cost. At larger capacities (prefill) the rows stay rows: gathering
+    each assignment's result across a transposed [E,H,C] would read a cache line per element.
     """
     T, k = ids.shape
     local, C = up_gate.shape[0], capacity
@@ -301,15 +307,21 @@ def _capacity_experts(x, weights, ids, up_gate, down, first_expert, *, capacity:
     # would make XLA:CPU scatter in f32 and hand the matmul f32 rows (and so f32 copies of the weights).
     src = jnp.full((local * C + 1,), T, jnp.int32).at[slot].set(jnp.arange(T * k, dtype=jnp.int32) // k)
     xs = jnp.take(x, src[:-1].reshape(local, C), axis=0, mode="fill", fill_value=0)  # [E_local,C,H]
-    if k_major:
-        batched = functools.partial(lax.dot_general, preferred_element_type=jnp.float32)
-        h = batched(up_gate, xs, (((2,), (2,)), ((0,), (0,)))).astype(x.dtype)  # [E_local,2F,C]
-        a = silu_mul(*jnp.split(h, 2, axis=1))  # [E_local,F,C]
-        ys_t = batched(down, a, (((2,), (1,)), ((0,), (0,)))).astype(x.dtype)  # [E_local,H,C]
+
+    def batched(a, w, contract):  # [E,...] x [E,...] -> f32, rounded to the activation dtype like `linear`
+        return lax.dot_general(a, w, (contract, ((0,), (0,))), preferred_element_type=jnp.float32).astype(x.dtype)
+
+    if k_major and C <= KMAJOR_COLUMN_CAPACITY:
+        h = batched(up_gate, xs, ((2,), (2,)))  # [E_local,2F,C]
+        ys_t = batched(down, silu_mul(*jnp.split(h, 2, axis=1)), ((2,), (1,)))  # [E_local,H,C]
         ys = jnp.where(mine[:, None], ys_t[jnp.where(mine, e, 0), :, rank], 0)  # [T*k,H]
     else:
-        ys = jax.vmap(swiglu)(xs, up_gate, down).reshape(local * C, -1)
-        ys = jnp.take(ys, slot, axis=0, mode="fill", fill_value=0)  # [T*k,H], 0 if not local
+        if k_major:
+            h = batched(xs, up_gate, ((2,), (2,)))  # [E_local,C,2F]
+            ys = batched(silu_mul(*jnp.split(h, 2, axis=-1)), down, ((2,), (2,)))
+        else:
+            ys = jax.vmap(swiglu)(xs, up_gate, down)
+        ys = jnp.take(ys.reshape(local * C, -1), slot, axis=0, mode="fill", fill_value=0)  # [T*k,H], 0 if not local
     return jnp.einsum("tkh,tk->th", ys.reshape(T, k, -1), weights.astype(x.dtype),
                       preferred_element_type=jnp.float32).astype(x.dtype)
 
