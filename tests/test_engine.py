@@ -110,6 +110,35 @@ def test_cpu_decode_reads_bf16_weights_as_stored():
     assert len(out[0].outputs[0].token_ids) == 4 and decode == {(2, 1)}  # beside a padding row
 
 
+@pytest.mark.parametrize("mode", ["single", "pd"])
+def test_decode_steps_chain_on_device_without_changing_tokens(mode):
+    """While the batch is unchanged, a decode step takes the previous step's sampled tokens on the device
+    before the host reads them. Greedy and seeded sampling, a request that stops early and one that joins
+    late give the tokens of reading every step first, and every page ends free."""
+    engine_llm = llm(mode)
+    engine = engine_llm.engine
+    prompts = [[5, 9, 11, 13], [7, 3], [21, 22, 23, 24, 25, 26], [4], [8, 8]]  # the 5th waits for a free seat
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+              SamplingParams(temperature=0.5, top_p=0.9, seed=1, max_tokens=9, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)]
+    chained, continues = [], engine._continues
+    engine._continues = lambda step: chained.append(continues(step)) or chained[-1]
+    try:
+        with jax.transfer_guard("disallow"):
+            ahead = engine_llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        engine._continues = lambda step: False
+        stepwise = engine_llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    finally:
+        del engine._continues
+    assert sum(chained) >= 5  # most decode steps ran ahead of the host
+    assert [o.outputs[0].token_ids for o in ahead] == [o.outputs[0].token_ids for o in stepwise]
+    assert [len(o.outputs[0].token_ids) for o in ahead] == [10, 12, 3, 9, 6]
+    assert ahead[3].outputs[0].logprobs == stepwise[3].outputs[0].logprobs
+    assert engine.allocator.free == engine.allocator.capacity
+
+
 def test_pd_prefills_a_burst_of_prompts_in_batches():
     engine_llm = llm("pd")
     engine = engine_llm.engine

@@ -8,6 +8,10 @@ prefill runs on the first devices with its own copy of the weights and its own p
 max_model_len prompt plus a batched step of short ones), decode on the rest; when a prompt is done its
 pages move to the decode pool in one batched transfer. Prefill and decode are dispatched before either
 result is read, so on disjoint devices they overlap. Colocated: both programs share one mesh and one pool.
+While the decode batch is unchanged (and no request uses penalties, which count every token on the host), a
+decode step's sampled tokens feed the next decode step on the device before the host reads them, so the
+host's bookkeeping overlaps the device's next step; a request that stops meanwhile has that one extra step
+computed (inside its own reserved pages) and discarded.
 A request stops on EOS (unless ignore_eos), a stop token or string, max_tokens or max_model_len; `abort`
 frees its pages at once. Bad requests raise `RequestError` at `add_request` and leave the engine serving.
 """
@@ -148,6 +152,9 @@ class Engine:
         self._ids = itertools.count()
         self._rng = np.random.default_rng(seed)
         self.busy_seconds = {"prefill": 0.0, "decode": 0.0}  # per program kind: dispatch to result
+        # A decode step whose tokens are still on the device: the next step feeds them to the following
+        # decode step before reading them, so the host's work overlaps the device's (see step()).
+        self._ahead: tuple | None = None
         self.moe_layers = [i for i in range(self.cfg.num_hidden_layers) if self.cfg.is_moe_layer(i)]
         self.expert_tokens = np.zeros((len(self.moe_layers), self.cfg.moe_num_experts), np.int64)
 
@@ -269,7 +276,7 @@ class Engine:
                   "seeds": np.asarray([r.seed for r in reqs] + [0] * pad, np.uint32),
                   "steps": np.asarray(steps + [0] * pad, np.int32),
                   "min_p": f(x.min_p for x in p) if any(x.min_p for x in p) else None, "penalties": None}
-        suppress = [len(r.output_ids) < r.params.min_tokens for r in reqs]
+        suppress = [step < r.params.min_tokens for r, step in zip(reqs, steps)]  # step: the token's index
         if any(x.uses_penalties for x in p) or any(suppress):
             V = self.cfg.vocab_size
             counts, prompt_mask = np.zeros((B, V), np.float32), np.zeros((B, V), bool)
@@ -314,7 +321,7 @@ class Engine:
         """One scheduling step; returns the requests that got a token (or finished) in it."""
         self._admit()
         touched: list[Request] = []
-        pending, counts, scored = [], [], []
+        pending, scored = [], []
         if self.prefilling:
             rows, T, B = self._prefill_rows()
             ids, positions = np.zeros((B, T), np.int32), np.tile(np.arange(T, dtype=np.int32), (B, 1))
@@ -334,32 +341,62 @@ class Engine:
                 scored.append((req, start, targets, scores))
             else:
                 logits, c = self.prefiller.run("prefill", ids, positions, last, tables)
-            counts.append(c)
             done = []  # rows whose prompt is now complete get their first token
             for req, start, chunk in rows:
                 req.num_prefilled += len(chunk)
                 done.append(req if req.num_prefilled == len(req.prompt_ids) else None)
             if any(done):
                 arrays, nlp = self._sampling_arrays([r for r, _, _ in rows], B, [0] * len(rows))
-                pending.append(("prefill", done, self.prefiller.sample(logits, arrays, nlp), t0))
+                pending.append(("prefill", done, self.prefiller.sample(logits, arrays, nlp), t0, c))
+            else:
+                pending.append(("prefill", [], None, t0, c))  # a mid-prompt chunk: only its expert counts
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and not self._continues(ahead):
+            # The batch changed since the step in flight was dispatched: its tokens are needed on the host.
+            self._read([ahead], touched)
+            ahead = None
         if self.running:
             reqs = list(self.running)
             B = self.decoder.bucket("decode", len(reqs))
             pad = B - len(reqs)
-            ids = np.asarray([[r.output_ids[-1]] for r in reqs] + [[0]] * pad, np.int32)
-            positions = np.asarray([[len(r.prompt_ids) + len(r.output_ids) - 1] for r in reqs] + [[0]] * pad, np.int32)
+            lag = 0 if ahead is None else 1  # tokens in flight per request, not yet in output_ids
+            if ahead is None:
+                ids = np.asarray([[r.output_ids[-1]] for r in reqs] + [[0]] * pad, np.int32)
+            else:  # the step in flight's sampled tokens, still on the device
+                ids = ahead[2][0].reshape(B, 1)
+            positions = np.asarray([[len(r.prompt_ids) + len(r.output_ids) - 1 + lag] for r in reqs] + [[0]] * pad,
+                                   np.int32)
             tables = np.stack([self._table(r.pages) for r in reqs] + [self._table([])] * pad)
             last = np.asarray([0] * len(reqs) + [-1] * pad, np.int32)  # -1: a padding row, no real token
             t0 = time.perf_counter()
             logits, c = self.decoder.run("decode", ids, positions, last, tables)
-            counts.append(c)
-            arrays, nlp = self._sampling_arrays(reqs, B, [len(r.output_ids) for r in reqs])
-            pending.append(("decode", reqs, self.decoder.sample(logits, arrays, nlp), t0))
-        for c in jax.device_get(counts):
+            arrays, nlp = self._sampling_arrays(reqs, B, [len(r.output_ids) + lag for r in reqs])
+            step = ("decode", reqs, self.decoder.sample(logits, arrays, nlp), t0, c)
+            if any(r.params.uses_penalties for r in reqs):
+                pending.append(step)  # penalties count every output token: the host needs this one first
+            else:
+                self._ahead = step  # read by the next step, while the device runs the one after it
+        if ahead is not None:
+            pending.insert(0, ahead)
+        self._read(pending, touched, scored)
+        return touched
+
+    def _continues(self, step: tuple) -> bool:
+        """Whether the next decode step can take `step`'s sampled tokens as they are on the device: the same
+        requests in the same order, at the same batch size."""
+        reqs = step[1]
+        return (len(reqs) == len(self.running) and all(a is b for a, b in zip(reqs, self.running))
+                and step[2][0].shape[0] == self.decoder.bucket("decode", len(reqs)))
+
+    def _read(self, pending: list[tuple], touched: list[Request], scored: tuple = ()) -> None:
+        """Wait for dispatched steps and append their tokens (in dispatch order)."""
+        for c in jax.device_get([step[4] for step in pending]):
             self.expert_tokens += c
         for req, start, targets, scores in scored:
             self._add_prompt_logprobs(req, start, targets, jax.device_get(scores))
-        for kind, reqs, result, t0 in pending:  # both programs are in flight before either is read
+        for kind, reqs, result, t0, _ in pending:  # every program is in flight before any is read
+            if result is None:  # a prefill chunk mid-prompt
+                continue
             tokens, lps, top_ids, top_lps = jax.device_get(result)
             self.busy_seconds[kind] += time.perf_counter() - t0
             for i, req in enumerate(reqs):
@@ -374,7 +411,6 @@ class Engine:
                     self.running.append(req)
                 self._append(req, int(tokens[i]), lps[i], top_ids[i], top_lps[i])
                 touched.append(req)
-        return touched
 
     def _add_prompt_logprobs(self, req: Request, start: int, targets: list[int], scores) -> None:
         target_lp, top_ids, top_lps = (a[0] for a in scores)
