@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from ernie_jax import LLM, RequestError, SamplingParams, SamplingParamsError, load_pretrained
+from ernie_jax.assets import EMBEDDED_MODEL_DIR
 from ernie_jax.engine.async_engine import AsyncEngine
+from ernie_jax.engine.programs import min_decode_rows
 from tests.conftest import GOLDEN
 
 SMALL = dict(max_model_len=64, max_num_seqs=4)
@@ -75,7 +77,6 @@ def test_sharded_programs_never_copy_the_kv_pool():
     """A copy of the page pool in a step costs more than the step's math: under a mesh whose pages split over
     data, the XLA attention's loop over page blocks once made XLA copy the pool around the loop, and a
     4-device CPU decode step went from 18 ms to 700 ms."""
-    from ernie_jax.assets import EMBEDDED_MODEL_DIR
     engine = LLM(EMBEDDED_MODEL_DIR, mesh=8, prefill_devices=4, max_model_len=256, max_num_seqs=4).engine  # 4 blocks
     for programs in (engine.prefiller, engine.decoder):
         pool = programs.cache.k[0]  # [L, P, page, K, D]: a copy of it has P (or a device's P) pages of `page`
@@ -88,8 +89,8 @@ def test_sharded_programs_never_copy_the_kv_pool():
 def test_cpu_decode_reads_bf16_weights_as_stored():
     """XLA:CPU converts a bf16 weight to f32 on every call when a matmul has one row, or when an expert matmul
     takes the K-major weights in an orientation its bf16 kernel lacks: a decode step of the bench model took
-    280 ms for one sequence against 26 ms for two. So decode batches start at 2 rows on CPU and no decode
-    program holds an f32 array of a weight's shape."""
+    280 ms for one sequence against 26 ms for two. So a bf16 model's decode batches start at 2 rows on CPU
+    (block-FP8 ones at 1) and no decode program holds an f32 array of a weight's shape."""
     tiny = LLM("tiny", dtype="bfloat16", **SMALL)
     engine = tiny.engine
     assert sorted(engine.decoder.ready["decode"]) == [2, 4]
@@ -108,6 +109,7 @@ def test_cpu_decode_reads_bf16_weights_as_stored():
         del engine.decoder.run
     decode = {shape for kind, shape in shapes if kind == "decode"}
     assert len(out[0].outputs[0].token_ids) == 4 and decode == {(2, 1)}  # beside a padding row
+    assert min_decode_rows(load_pretrained(EMBEDDED_MODEL_DIR)) == 1  # block-FP8 linears
 
 
 @pytest.mark.parametrize("mode", ["single", "pd"])

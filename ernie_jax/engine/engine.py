@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from ernie_jax.engine.pages import PageAllocator
-from ernie_jax.engine.programs import (ModelPrograms, PageTransfer, buckets, decode_buckets, platform,
+from ernie_jax.engine.programs import (ModelPrograms, PageTransfer, buckets, decode_buckets, min_decode_rows,
                                        prefill_shapes)
 from ernie_jax.model.ernie import ErnieForCausalLM
 from ernie_jax.sampling import SamplingParams
@@ -113,7 +113,7 @@ class Engine:
         self.eos_token_ids, self.tokenizer = frozenset(eos_token_ids), tokenizer
         t0 = time.perf_counter()
         chunks = buckets(self.prefill_chunk, 16)
-        batches = decode_buckets(max_num_seqs, platform(model) == "cpu", batch_invariant)
+        batches = decode_buckets(max_num_seqs, min_decode_rows(model), batch_invariant)
         self.decoder = ModelPrograms(model, num_pages=num_pages, page_size=page_size,
                                      max_pages_per_seq=self.max_pages, kv_cache_dtype=kv_cache_dtype,
                                      prefill_buckets=[] if prefill_model is not None else

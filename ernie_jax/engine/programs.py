@@ -31,7 +31,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from ernie_jax.model.ernie import ErnieForCausalLM
 from ernie_jax.model.forward import forward, rope_cache
 from ernie_jax.model.kv_cache import KV_CACHE_DTYPES, KVCache
-from ernie_jax.model.weights import cpu_layout
+from ernie_jax.model.weights import QUANTIZABLE, cpu_layout
+from ernie_jax.quant import BlockFP8
 from ernie_jax.sampling import MAX_LOGPROBS, sample
 
 log = logging.getLogger("ernie_jax.engine")
@@ -73,13 +74,24 @@ def platform(model: ErnieForCausalLM) -> str:
     return next(iter(jax.tree.leaves(model.weights())[0].devices())).platform
 
 
-def decode_buckets(max_num_seqs: int, on_cpu: bool, batch_invariant: bool = False) -> list[int]:
-    """Decode batch sizes: powers of two up to max_num_seqs (only max_num_seqs when batch_invariant). On
-    CPU at least 2 rows: XLA:CPU runs a one-row matmul (a matrix-vector product) through a fallback that
-    converts the weights to f32 on every call (a decode step of the bench model took 280 ms for one
-    sequence, 26 ms for two), so a lone sequence decodes beside a padding row."""
-    rows = max(max_num_seqs, 2) if on_cpu else max_num_seqs
-    return [rows] if batch_invariant else buckets(rows, 2 if on_cpu else 1)
+def min_decode_rows(model: ErnieForCausalLM) -> int:
+    """2 on CPU for a model with plain bf16 linears, else 1. XLA:CPU runs a one-row bf16 matmul (a
+    matrix-vector product) through a fallback that converts the weight to f32 on every call (a decode step
+    of the bench model took 280 ms for one sequence, 26 ms for two), so there a lone sequence decodes
+    beside a padding row. Block-FP8 and f32 linears do not take that fallback."""
+    if platform(model) != "cpu":
+        return 1
+    layers = model.weights()["segments"]
+    plain_bf16 = [a for seg in layers for name, a in seg.items()
+                  if name in QUANTIZABLE and not isinstance(a, BlockFP8) and a.dtype == jnp.bfloat16]
+    return 2 if plain_bf16 else 1
+
+
+def decode_buckets(max_num_seqs: int, min_rows: int = 1, batch_invariant: bool = False) -> list[int]:
+    """Decode batch sizes: powers of two from min_rows (min_decode_rows) up to max_num_seqs, or only
+    max_num_seqs when batch_invariant."""
+    rows = max(max_num_seqs, min_rows)
+    return [rows] if batch_invariant else buckets(rows, min_rows)
 
 
 def buckets(limit: int, start: int = 1) -> list[int]:
