@@ -313,8 +313,7 @@ class Engine:
                 if at >= 0:
                     req.text = req.text[:at]
                     return self._finish(req, "stop", s)
-        if (req.params.max_tokens is not None and n_out >= req.params.max_tokens) or \
-                len(req.prompt_ids) + n_out >= self.max_model_len:
+        if self._done_by_length(req, n_out):
             return self._finish(req, "length", None)
 
     def step(self) -> list[Request]:
@@ -381,12 +380,19 @@ class Engine:
         self._read(pending, touched, scored)
         return touched
 
+    def _done_by_length(self, req: Request, n_out: int) -> bool:
+        """Whether n_out output tokens end req by length (max_tokens or max_model_len)."""
+        return (req.params.max_tokens is not None and n_out >= req.params.max_tokens) or \
+            len(req.prompt_ids) + n_out >= self.max_model_len
+
     def _continues(self, step: tuple) -> bool:
         """Whether the next decode step can take `step`'s sampled tokens as they are on the device: the same
-        requests in the same order, at the same batch size."""
+        requests in the same order, at the same batch size, and not all of them ending by length with those
+        tokens (a step chained after them would be wasted device time)."""
         reqs = step[1]
         return (len(reqs) == len(self.running) and all(a is b for a, b in zip(reqs, self.running))
-                and step[2][0].shape[0] == self.decoder.bucket("decode", len(reqs)))
+                and step[2][0].shape[0] == self.decoder.bucket("decode", len(reqs))
+                and not all(self._done_by_length(r, len(r.output_ids) + 1) for r in reqs))
 
     def _read(self, pending: list[tuple], touched: list[Request], scored: tuple = ()) -> None:
         """Wait for dispatched steps and append their tokens (in dispatch order)."""
