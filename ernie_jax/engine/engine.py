@@ -22,7 +22,7 @@ import dataclasses
 import itertools
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -33,6 +33,15 @@ from ernie_jax.engine.programs import (ModelPrograms, PageTransfer, buckets, dec
 from ernie_jax.model.ernie import ErnieForCausalLM
 from ernie_jax.sampling import SamplingParams
 from ernie_jax.tokenizer import IncrementalDetokenizer
+
+
+class Dispatched(NamedTuple):
+    """A program step in flight: its sampled tokens (and logprobs) and expert counts are still on the device."""
+    kind: str  # "prefill" or "decode"
+    reqs: list  # the request of each row (None: a prefill row mid-prompt)
+    result: Any  # sample()'s (tokens, logprobs, top ids, top logprobs), or None for a chunk mid-prompt
+    t0: float  # dispatch time
+    counts: Any  # tokens per expert per MoE layer
 
 
 class RequestError(ValueError):
@@ -154,7 +163,7 @@ class Engine:
         self.busy_seconds = {"prefill": 0.0, "decode": 0.0}  # per program kind: dispatch to result
         # A decode step whose tokens are still on the device: the next step feeds them to the following
         # decode step before reading them, so the host's work overlaps the device's (see step()).
-        self._ahead: tuple | None = None
+        self._ahead: Dispatched | None = None
         self.moe_layers = [i for i in range(self.cfg.num_hidden_layers) if self.cfg.is_moe_layer(i)]
         self.expert_tokens = np.zeros((len(self.moe_layers), self.cfg.moe_num_experts), np.int64)
 
@@ -346,9 +355,9 @@ class Engine:
                 done.append(req if req.num_prefilled == len(req.prompt_ids) else None)
             if any(done):
                 arrays, nlp = self._sampling_arrays([r for r, _, _ in rows], B, [0] * len(rows))
-                pending.append(("prefill", done, self.prefiller.sample(logits, arrays, nlp), t0, c))
+                pending.append(Dispatched("prefill", done, self.prefiller.sample(logits, arrays, nlp), t0, c))
             else:
-                pending.append(("prefill", [], None, t0, c))  # a mid-prompt chunk: only its expert counts
+                pending.append(Dispatched("prefill", [], None, t0, c))  # a chunk mid-prompt: only its expert counts
         ahead, self._ahead = self._ahead, None
         if ahead is not None and not self._continues(ahead):
             # The batch changed since the step in flight was dispatched: its tokens are needed on the host.
@@ -362,7 +371,7 @@ class Engine:
             if ahead is None:
                 ids = np.asarray([[r.output_ids[-1]] for r in reqs] + [[0]] * pad, np.int32)
             else:  # the step in flight's sampled tokens, still on the device
-                ids = ahead[2][0].reshape(B, 1)
+                ids = ahead.result[0].reshape(B, 1)
             positions = np.asarray([[len(r.prompt_ids) + len(r.output_ids) - 1 + lag] for r in reqs] + [[0]] * pad,
                                    np.int32)
             tables = np.stack([self._table(r.pages) for r in reqs] + [self._table([])] * pad)
@@ -370,7 +379,7 @@ class Engine:
             t0 = time.perf_counter()
             logits, c = self.decoder.run("decode", ids, positions, last, tables)
             arrays, nlp = self._sampling_arrays(reqs, B, [len(r.output_ids) + lag for r in reqs])
-            step = ("decode", reqs, self.decoder.sample(logits, arrays, nlp), t0, c)
+            step = Dispatched("decode", reqs, self.decoder.sample(logits, arrays, nlp), t0, c)
             if any(r.params.uses_penalties for r in reqs):
                 pending.append(step)  # penalties count every output token: the host needs this one first
             else:
@@ -385,18 +394,18 @@ class Engine:
         return (req.params.max_tokens is not None and n_out >= req.params.max_tokens) or \
             len(req.prompt_ids) + n_out >= self.max_model_len
 
-    def _continues(self, step: tuple) -> bool:
+    def _continues(self, step: Dispatched) -> bool:
         """Whether the next decode step can take `step`'s sampled tokens as they are on the device: the same
         requests in the same order, at the same batch size, and not all of them ending by length with those
         tokens (a step chained after them would be wasted device time)."""
-        reqs = step[1]
+        reqs = step.reqs
         return (len(reqs) == len(self.running) and all(a is b for a, b in zip(reqs, self.running))
-                and step[2][0].shape[0] == self.decoder.bucket("decode", len(reqs))
+                and step.result[0].shape[0] == self.decoder.bucket("decode", len(reqs))
                 and not all(self._done_by_length(r, len(r.output_ids) + 1) for r in reqs))
 
-    def _read(self, pending: list[tuple], touched: list[Request], scored: tuple = ()) -> None:
+    def _read(self, pending: list[Dispatched], touched: list[Request], scored: tuple = ()) -> None:
         """Wait for dispatched steps and append their tokens (in dispatch order)."""
-        for c in jax.device_get([step[4] for step in pending]):
+        for c in jax.device_get([step.counts for step in pending]):
             self.expert_tokens += c
         for req, start, targets, scores in scored:
             self._add_prompt_logprobs(req, start, targets, jax.device_get(scores))
