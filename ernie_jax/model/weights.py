@@ -184,30 +184,20 @@ def cpu_layout(weights: dict[str, Any]) -> dict[str, Any]:
             spec[-2:] = spec[:-3:-1]
         return NamedSharding(s.mesh, P(*spec))
 
-    def k_major(name, a):
-        return name in ("experts_up_gate", "experts_down") and not isinstance(a, BlockFP8)
-
-    def layer(seg, i):
+    def per_layer(seg, plain, k_major):  # one layer's leaves: plain(a) each, k_major(a) for K-major experts
         out = {}
         for name, a in seg.items():
-            if k_major(name, a):
-                out[name + "_kmajor"] = jnp.swapaxes(a[i], -1, -2)
+            if name in ("experts_up_gate", "experts_down") and not isinstance(a, BlockFP8):
+                out[name + "_kmajor"] = k_major(a)
             else:
-                out[name] = jax.tree.map(lambda a: a[i], a)
-        return out
-
-    def shardings(seg):
-        out = {}
-        for name, a in seg.items():
-            if k_major(name, a):
-                out[name + "_kmajor"] = layer_sharding(a, True)
-            else:
-                out[name] = jax.tree.map(lambda a: layer_sharding(a, False), a)
+                out[name] = jax.tree.map(plain, a)
         return out
 
     segments = []
     for seg in weights["segments"]:
         count = jax.tree.leaves(seg)[0].shape[0]
-        split = jax.jit(lambda seg: [layer(seg, i) for i in range(count)], out_shardings=[shardings(seg)] * count)
+        shardings = per_layer(seg, lambda a: layer_sharding(a, False), lambda a: layer_sharding(a, True))
+        split = jax.jit(lambda seg: [per_layer(seg, lambda a: a[i], lambda a: jnp.swapaxes(a[i], -1, -2))
+                                     for i in range(count)], out_shardings=[shardings] * count)
         segments.append(split(seg))
     return {**weights, "segments": segments}
