@@ -90,7 +90,9 @@ def test_cpu_decode_reads_bf16_weights_as_stored():
     """XLA:CPU converts a bf16 weight to f32 on every call when a matmul has one row, or when an expert matmul
     takes the K-major weights in an orientation its bf16 kernel lacks: a decode step of the bench model took
     280 ms for one sequence against 26 ms for two. So a bf16 model's decode batches start at 2 rows on CPU
-    (block-FP8 ones at 1) and no decode program holds an f32 array of a weight's shape."""
+    (block-FP8 ones at 1) and no decode program holds an f32 array of a weight's shape. Likewise XLA:CPU
+    gathers and scatters a bf16 page pool through f32 copies of the whole pool, so the pool holds the
+    values' uint16 bits and no program holds a float array of its shape."""
     tiny = LLM("tiny", dtype="bfloat16", **SMALL)
     engine = tiny.engine
     assert sorted(engine.decoder.ready["decode"]) == [2, 4]
@@ -100,6 +102,13 @@ def test_cpu_decode_reads_bf16_weights_as_stored():
     for exe in engine.decoder.executables("decode"):
         f32 = set(re.findall(r"= f32\[([\d,]*)\]", exe.as_text()))
         assert not f32 & weight_shapes, f32 & weight_shapes
+    pool = engine.decoder.cache.k[0]
+    assert pool.dtype == jnp.uint16
+    flat = (pool.shape[0] * pool.shape[1], *pool.shape[2:])  # the layer's view of the pool
+    pool_shapes = {",".join(map(str, shape)) for shape in (pool.shape, flat)}
+    for exe in engine.decoder.executables("decode") + engine.decoder.executables("prefill"):
+        floats = set(re.findall(r"= (?:f32|bf16)\[([\d,]*)\]", exe.as_text()))
+        assert not floats & pool_shapes, floats & pool_shapes
     shapes, run = [], engine.decoder.run
     engine.decoder.run = lambda kind, ids, *a: shapes.append((kind, ids.shape)) or run(kind, ids, *a)
     try:

@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from ernie_jax.model.ernie import ErnieForCausalLM
 from ernie_jax.model.forward import forward, rope_cache
-from ernie_jax.model.kv_cache import KV_CACHE_DTYPES, KVCache
+from ernie_jax.model.kv_cache import BF16_BITS, KV_CACHE_DTYPES, KVCache
 from ernie_jax.model.weights import QUANTIZABLE, cpu_layout
 from ernie_jax.quant import BlockFP8
 from ernie_jax.sampling import MAX_LOGPROBS, sample
@@ -151,10 +151,8 @@ class ModelPrograms:
         self.weights["rope_cache"] = jax.device_put(rope_cache(self.cfg, page_size * max_pages_per_seq),
                                                     self.replicated)
         dtype = KV_CACHE_DTYPES[kv_cache_dtype] or model.dtype
-        if kv_cache_dtype == "auto" and dtype == jnp.bfloat16 and self.devices[0].platform == "cpu":
-            # XLA:CPU has no bf16 scatter: it upcasts the whole pool to f32 and back around each KV write,
-            # a full copy per layer per step. An f32 pool is written in place.
-            dtype = jnp.float32
+        if dtype == jnp.bfloat16 and self.devices[0].platform == "cpu":
+            dtype = BF16_BITS  # kv_cache.py says why
         cache = KVCache.create(self.cfg, num_pages, page_size, dtype)
         self.cache_shardings = cache.shardings(self.plan) if self.plan is not None else \
             jax.tree.map(lambda _: self.replicated, cache)

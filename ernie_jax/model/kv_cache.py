@@ -9,6 +9,10 @@ contiguous cache is the special case of one page per sequence (`create(cfg, batc
 table row b = [b]). Right-padded tokens write slots that the sequence's later real tokens overwrite
 before any query can see them.
 
+On XLA:CPU a bf16 pool is stored as its uint16 bits (BF16_BITS): XLA:CPU scatters and gathers bf16 arrays
+through f32 copies of the whole pool (a copy per layer per step), integer arrays in place. `stored` and
+`loaded` convert at the pool's boundary; the values are the same bf16 numbers.
+
 FP8 (`kv_cache_dtype="fp8"`): e4m3fn values plus one f32 dequant scale per (token, KV head). The scale is
 dynamic (amax over the head dim / 448, FastDeploy's block_wise_fp8 cache) unless the checkpoint ships
 static per-KV-head scales (`cachek_matmul.activation_scale`, FastDeploy's float8_e4m3fn cache), which are
@@ -22,9 +26,25 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from ernie_jax.config import ErnieConfig
 from ernie_jax.quant import FP8, FP8_MAX
+
+BF16_BITS = jnp.uint16  # the storage dtype of a bf16 pool on XLA:CPU (module docstring)
+
+
+def stored(x: jax.Array, pool_dtype) -> jax.Array:
+    """Values x as a pool of `pool_dtype` stores them."""
+    if jnp.dtype(pool_dtype) == jnp.dtype(BF16_BITS):
+        return lax.bitcast_convert_type(x.astype(jnp.bfloat16), BF16_BITS)
+    return x.astype(pool_dtype)
+
+
+def loaded(x: jax.Array) -> jax.Array:
+    """Slots read from a pool, as values."""
+    return lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.dtype(BF16_BITS) else x
+
 
 KV_CACHE_DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "auto": None, "float32": jnp.float32,
                    "fp8": FP8, "fp8_e4m3": FP8}
@@ -108,7 +128,7 @@ def write(seg: dict[str, jax.Array], layer: jax.Array, k: jax.Array, v: jax.Arra
         if f"{name}_scale" in seg:
             x, scale = _quantize(x, static)
             out[f"{name}_scale"] = seg[f"{name}_scale"].at[layer, pages, offsets].set(scale)
-        out[name] = seg[name].at[layer, pages, offsets].set(x.astype(seg[name].dtype))
+        out[name] = seg[name].at[layer, pages, offsets].set(stored(x, seg[name].dtype))
     return out
 
 

@@ -19,6 +19,7 @@ from jax import lax
 
 from ernie_jax.config import ErnieConfig
 from ernie_jax import pallas as kernels
+from ernie_jax.model import kv_cache
 from ernie_jax.quant import BlockFP8, fp8_linear, fp8_ragged_dot
 from ernie_jax.sharding.linear import fp8_linear_sharded
 
@@ -108,7 +109,7 @@ def paged_attention_blocks(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, k
     qg = q.reshape(B, T, K, N // K, D)
 
     def gather(pool, scale, ids):  # -> [B,S,K,D] in q's dtype
-        x = pool[ids]  # [B,bp,page,K,D]
+        x = kv_cache.loaded(pool[ids])  # [B,bp,page,K,D]
         if scale is not None:
             x = x.astype(jnp.float32) * scale[ids][..., None]
         return constrain(x.reshape(B, S, K, D).astype(q.dtype))
