@@ -29,7 +29,7 @@ import numpy as np
 
 from ernie_jax.engine.pages import PageAllocator
 from ernie_jax.engine.programs import (ModelPrograms, PageTransfer, buckets, decode_buckets, min_decode_rows,
-                                       prefill_shapes)
+                                       plain_sampling, prefill_shapes)
 from ernie_jax.model.ernie import ErnieForCausalLM
 from ernie_jax.sampling import SamplingParams
 from ernie_jax.tokenizer import IncrementalDetokenizer
@@ -342,20 +342,23 @@ class Engine:
                 last[i] = len(chunk) - 1
             t0 = time.perf_counter()
             req, start, chunk = rows[0]
+            arrays, nlp = self._sampling_arrays([r for r, _, _ in rows], B, [0] * len(rows))
             if req.params.prompt_logprobs is not None:  # a scored chunk runs alone
                 targets = req.prompt_ids[start + 1:start + 1 + len(chunk)]  # the token after each position
                 padded = np.asarray([targets + [0] * (T - len(targets))], np.int32)
                 logits, c, scores = self.prefiller.run_scored(ids, positions, last, tables, padded)
                 scored.append((req, start, targets, scores))
+                sampled = None
             else:
-                logits, c = self.prefiller.run("prefill", ids, positions, last, tables)
+                logits, c, sampled = self.prefiller.run("prefill", ids, positions, last, tables, arrays)
             done = []  # rows whose prompt is now complete get their first token
             for req, start, chunk in rows:
                 req.num_prefilled += len(chunk)
                 done.append(req if req.num_prefilled == len(req.prompt_ids) else None)
             if any(done):
-                arrays, nlp = self._sampling_arrays([r for r, _, _ in rows], B, [0] * len(rows))
-                pending.append(Dispatched("prefill", done, self.prefiller.sample(logits, arrays, nlp), t0, c))
+                result = sampled if sampled is not None and plain_sampling(arrays, nlp) else \
+                    self.prefiller.sample(logits, arrays, nlp)
+                pending.append(Dispatched("prefill", done, result, t0, c))
             else:
                 pending.append(Dispatched("prefill", [], None, t0, c))  # a chunk mid-prompt: only its expert counts
         ahead, self._ahead = self._ahead, None
@@ -376,10 +379,11 @@ class Engine:
                                    np.int32)
             tables = np.stack([self._table(r.pages) for r in reqs] + [self._table([])] * pad)
             last = np.asarray([0] * len(reqs) + [-1] * pad, np.int32)  # -1: a padding row, no real token
-            t0 = time.perf_counter()
-            logits, c = self.decoder.run("decode", ids, positions, last, tables)
             arrays, nlp = self._sampling_arrays(reqs, B, [len(r.output_ids) + lag for r in reqs])
-            step = Dispatched("decode", reqs, self.decoder.sample(logits, arrays, nlp), t0, c)
+            t0 = time.perf_counter()
+            logits, c, sampled = self.decoder.run("decode", ids, positions, last, tables, arrays)
+            result = sampled if plain_sampling(arrays, nlp) else self.decoder.sample(logits, arrays, nlp)
+            step = Dispatched("decode", reqs, result, t0, c)
             if any(r.params.uses_penalties for r in reqs):
                 pending.append(step)  # penalties count every output token: the host needs this one first
             else:

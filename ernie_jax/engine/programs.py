@@ -38,10 +38,25 @@ from ernie_jax.sampling import MAX_LOGPROBS, sample
 log = logging.getLogger("ernie_jax.engine")
 
 
-def _step(weights, input_ids, positions, cache, logit_positions, block_tables, *, cfg, plan, batch_invariant):
-    """-> (logits [B,V] at logit_positions, cache, expert token counts [L_moe,E])."""
+def _step(weights, input_ids, positions, cache, logit_positions, block_tables, sampling, *, cfg, plan,
+          batch_invariant):
+    """-> (logits [B,V] at logit_positions, cache, expert token counts [L_moe,E], sampled).
+
+    sampling: (temperature, top_p, top_k, seeds, steps), each [B]; `sampled` is sampling.sample's result for
+    them without min-p, penalties or logprob alternatives (PLAIN_SAMPLING): most batches need nothing more,
+    and sampling inside the step saves launching a second program per step. Other batches sample the
+    returned logits."""
     out = forward(weights, cfg, input_ids, positions, cache, logit_positions, plan, block_tables, batch_invariant)
-    return out.logits, out.cache, _expert_counts(out.expert_ids, logit_positions, input_ids.shape, cfg)
+    counts = _expert_counts(out.expert_ids, logit_positions, input_ids.shape, cfg)
+    return out.logits, out.cache, counts, sample(out.logits, *sampling)
+
+
+SAMPLING_ARGS = ("temperature", "top_p", "top_k", "seeds", "steps")  # _step's sampling arrays, in order
+
+
+def plain_sampling(arrays: dict[str, Any], num_logprobs: int) -> bool:
+    """Whether _step's own sample serves a batch with these sampling arrays (Engine._sampling_arrays)."""
+    return arrays["min_p"] is None and arrays["penalties"] is None and num_logprobs == 0
 
 
 def _score_step(weights, input_ids, positions, cache, logit_positions, block_tables, targets, *, cfg, plan,
@@ -163,20 +178,18 @@ class ModelPrograms:
         ins = (w_shardings, rep, rep, self.cache_shardings, rep, rep)
         static = dict(cfg=self.cfg, plan=self.plan, batch_invariant=batch_invariant)
         self._jit = jax.jit(functools.partial(_step, **static), donate_argnums=(3,),
-                            in_shardings=ins, out_shardings=(rep, self.cache_shardings, rep))
+                            in_shardings=ins + (rep,), out_shardings=(rep, self.cache_shardings, rep, rep))
         self._score_jit = jax.jit(functools.partial(_score_step, **static, num_top=MAX_LOGPROBS),
                                   donate_argnums=(3,), in_shardings=ins + (rep,),
                                   out_shardings=(rep, self.cache_shardings, rep, rep))
         self._score: dict[int, Any] = {}  # scoring prefill per chunk length, compiled on first use
         self._programs: dict[tuple[str, int], Any] = {}
         self.ready: dict[str, list] = {"prefill": [], "decode": []}  # compiled buckets, ascending
-        lowered = {("prefill", (B, T)): self._lower(self._jit, B, T) for B, T in prefill_buckets}
-        lowered.update({("decode", B): self._lower(self._jit, B, 1) for B in decode_buckets})
+        lowered = {("prefill", (B, T)): self._lower(self._jit, B, T, sampling=True) for B, T in prefill_buckets}
+        lowered.update({("decode", B): self._lower(self._jit, B, 1, sampling=True) for B in decode_buckets})
 
         def job(key):
-            exe = lowered[key].compile()
-            self._warm_sampler(key[1][0] if key[0] == "prefill" else key[1])
-            return exe
+            return lowered[key].compile()
         # The largest single-chunk prefill and the largest decode batch serve any request (padded), so those
         # compile first; the rest compile in compile_rest(), now or behind a serving engine.
         largest = {("prefill", (1, max(T for _, T in prefill_buckets)))} if prefill_buckets else set()
@@ -216,32 +229,31 @@ class ModelPrograms:
     def executables(self, kind: str) -> list:
         return [exe for (k, _), exe in self._programs.items() if k == kind]
 
-    def _lower(self, jitted, B: int, T: int, extra: tuple = ()):
-        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.replicated)  # noqa: E731
+    def _lower(self, jitted, B: int, T: int, extra: tuple = (), sampling: bool = False):
+        spec = lambda dtype, *shape: jax.ShapeDtypeStruct(shape, dtype, sharding=self.replicated)  # noqa: E731
+        i32 = functools.partial(spec, jnp.int32)
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                                 (self.weights, self.cache))
-        return jitted.lower(abstract[0], i32(B, T), i32(B, T), abstract[1], i32(B), i32(B, self.max_pages),
-                            *[i32(*shape) for shape in extra])
-
-    def _warm_sampler(self, B: int) -> None:
-        """Compile the sampler for a batch bucket now (plain sampling; penalties and min-p compile on use)."""
-        logits = jax.device_put(np.zeros((B, self.cfg.vocab_size), np.float32), self.replicated)
-        f32, i32 = np.zeros(B, np.float32), np.zeros(B, np.int32)
-        jax.block_until_ready(self.sample(logits, {"temperature": f32, "top_p": f32 + 1, "top_k": i32,
-                                                   "seeds": i32.astype(np.uint32), "steps": i32, "min_p": None,
-                                                   "penalties": None}, 0))
+        args = [i32(*shape) for shape in extra]
+        if sampling:  # SAMPLING_ARGS
+            args.append((spec(jnp.float32, B), spec(jnp.float32, B), i32(B), spec(jnp.uint32, B), i32(B)))
+        return jitted.lower(abstract[0], i32(B, T), i32(B, T), abstract[1], i32(B), i32(B, self.max_pages), *args)
 
     def put(self, x):
         """Explicit host -> device copy onto this mesh (replicated); a pytree goes in one call."""
         return jax.device_put(x, self.replicated)
 
-    def run(self, kind: str, ids, positions, logit_positions, block_tables) -> tuple[jax.Array, jax.Array]:
-        """One prefill chunk or decode step; returns (logits, expert token counts), both on device."""
+    def run(self, kind: str, ids, positions, logit_positions, block_tables, arrays: dict[str, Any]):
+        """One prefill chunk or decode step, sampling the logits with `arrays` (Engine._sampling_arrays) as
+        _step does; returns (logits, expert token counts, sampled), all on device."""
         B, T = ids.shape
         fn = self._programs[kind, (B, T) if kind == "prefill" else B]
-        ids, positions, logit_positions, block_tables = self.put((ids, positions, logit_positions, block_tables))
-        logits, self.cache, counts = fn(self.weights, ids, positions, self.cache, logit_positions, block_tables)
-        return logits, counts
+        sampling = tuple(arrays[name] for name in SAMPLING_ARGS)
+        ids, positions, logit_positions, block_tables, sampling = self.put(
+            (ids, positions, logit_positions, block_tables, sampling))
+        logits, self.cache, counts, sampled = fn(self.weights, ids, positions, self.cache, logit_positions,
+                                                 block_tables, sampling)
+        return logits, counts, sampled
 
     def run_scored(self, ids, positions, logit_positions, block_tables, targets):
         """A prefill chunk that also returns prompt logprobs: (logits, counts, (target_lp [1,T],
