@@ -43,7 +43,7 @@ def _step(weights, input_ids, positions, cache, logit_positions, block_tables, s
     """-> (logits [B,V] at logit_positions, cache, expert token counts [L_moe,E], sampled).
 
     sampling: (temperature, top_p, top_k, seeds, steps), each [B]; `sampled` is sampling.sample's result for
-    them without min-p, penalties or logprob alternatives (PLAIN_SAMPLING): most batches need nothing more,
+    them without min-p, penalties or logprob alternatives: most batches need nothing more (plain_sampling),
     and sampling inside the step saves launching a second program per step. Other batches sample the
     returned logits."""
     out = forward(weights, cfg, input_ids, positions, cache, logit_positions, plan, block_tables, batch_invariant)
