@@ -384,8 +384,8 @@ def _tiled_experts(x, weights, ids, up_gate, down, first_expert, *, k_major: boo
     row = starts[key] + rank  # [T*k]: each assignment's row in expert order (a counting sort)
     # The token of each row (T: a zero row, also for a tile running past the end).
     src = jnp.full((T * k + BT,), T, jnp.int32).at[row].set(jnp.arange(T * k, dtype=jnp.int32) // k)
-    rows = jnp.concatenate([_bits(x), jnp.zeros((1, x.shape[1]), _bits(x).dtype)])
-    xs = rows.at[src].get(mode="promise_in_bounds")  # [T*k+BT,H]
+    xb = _bits(x)
+    xs = jnp.concatenate([xb, jnp.zeros_like(xb[:1])]).at[src].get(mode="promise_in_bounds")  # [T*k+BT,H]
 
     def tile(j, ys, *, i, w_up, w_down):
         r = starts[i] + j * BT
