@@ -108,17 +108,16 @@ def test_sharded_programs_never_copy_the_kv_pool():
 
 
 def test_cpu_decode_reads_bf16_weights_as_stored():
-    """XLA:CPU converts a bf16 weight to f32 on every call when a matmul has one row, or when an expert matmul
-    takes the K-major weights in an orientation its bf16 kernel lacks: a decode step of the bench model took
-    280 ms for one sequence against 26 ms for two. So a bf16 model's decode batches start at 2 rows on CPU
-    (block-FP8 ones at 1) and no decode program holds an f32 array of a weight's shape. Likewise XLA:CPU
+    """XLA:CPU converts a bf16 weight to f32 on every call when a matmul has one row: a decode step of the
+    bench model took 280 ms for one sequence against 26 ms for two. So a bf16 model's decode batches start at
+    2 rows on CPU (block-FP8 ones at 1) and no decode program holds an f32 array of a weight's shape. Likewise XLA:CPU
     gathers and scatters a bf16 page pool through f32 copies of the whole pool, so the pool holds the
     values' uint16 bits and no program holds a float array of its shape."""
     tiny = LLM("tiny", dtype="bfloat16", **SMALL)
     engine = tiny.engine
     assert sorted(engine.decoder.ready["decode"]) == [2, 4]
     leaves = jax.tree.leaves(engine.decoder.weights["segments"])
-    assert any(a.shape == (8, 128, 128) for a in leaves)  # the K-major experts_up_gate [E, 2F, H]
+    assert any(a.shape == (8, 128, 128) for a in leaves)  # experts_up_gate [E, H, 2F]
     weight_shapes = {",".join(map(str, a.shape)) for a in leaves if a.dtype == jnp.bfloat16 and a.ndim >= 2}
     for exe in engine.decoder.executables("decode"):
         f32 = set(re.findall(r"= f32\[([\d,]*)\]", exe.as_text()))

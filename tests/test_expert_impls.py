@@ -56,17 +56,12 @@ def test_expert_capacities_cover_every_load():
         assert caps[0] >= min(-(-tokens * k // experts), tokens)  # nothing below the mean load
 
 
-@pytest.mark.parametrize("layout", ["in_out", "k_major_columns", "k_major_rows"])
 @pytest.mark.parametrize("skew", [False, True], ids=["random", "skewed"])
 @pytest.mark.parametrize("first, local", [(0, 8), (2, 2), (6, 2)])
-def test_cpu_paths_match_ragged_path(skew, first, local, layout, monkeypatch):
+def test_cpu_paths_match_ragged_path(skew, first, local, monkeypatch):
     """The CPU capacity and tiled formulations against the grouped-matmul one, for all experts and for a
     device's slice of them (expert parallelism), with routing spread out and with every token on the same
-    two experts (the largest capacity is taken: nothing is dropped; tiles run past their expert's rows),
-    with the weights stored [E,in,out] and K-major (in both orientations of the K-major matmuls)."""
-    k_major = layout != "in_out"
-    if layout == "k_major_rows":
-        monkeypatch.setattr(layers, "KMAJOR_COLUMN_CAPACITY", 0)
+    two experts (the largest capacity is taken: nothing is dropped; tiles run past their expert's rows)."""
     monkeypatch.setattr(layers, "EXPERT_TILE_ROWS", 4)  # several tiles per expert, and partial ones
     T, H, F, E, k = 19, 32, 16, 8, 2
     key = jax.random.split(jax.random.key(0), 4)
@@ -78,13 +73,11 @@ def test_cpu_paths_match_ragged_path(skew, first, local, layout, monkeypatch):
         pick(jax.random.split(key[3], T)).astype(jnp.int32)
     w = jax.nn.softmax(jax.random.normal(key[3], (T, k)), axis=-1)
     ug, dn = up_gate[first:first + local], down[first:first + local]
-    if k_major:
-        ug, dn = jnp.swapaxes(ug, 1, 2), jnp.swapaxes(dn, 1, 2)
     out = {}
     for impl in ("capacity", "tiled", "ragged"):
         layers.EXPERT_IMPL = impl
         try:
-            out[impl] = np.asarray(jax.jit(lambda *a: layers.routed_experts(*a, E, first, k_major=k_major))(
+            out[impl] = np.asarray(jax.jit(lambda *a: layers.routed_experts(*a, E, first))(
                 x, w, ids, ug, dn))
         finally:
             layers.EXPERT_IMPL = "auto"
@@ -97,6 +90,6 @@ def test_cpu_paths_match_ragged_path(skew, first, local, layout, monkeypatch):
                 ref[t] += float(w[t, j]) * np.asarray(layers.swiglu(x[t:t + 1], up_gate[e], down[e]))[0]
     for impl, got in out.items():
         np.testing.assert_allclose(got, ref, atol=1e-5, err_msg=impl)
-    invariant = jax.jit(lambda *a: layers.routed_experts(*a, E, first, batch_invariant=True, k_major=k_major))(
+    invariant = jax.jit(lambda *a: layers.routed_experts(*a, E, first, batch_invariant=True))(
         x, w, ids, ug, dn)
     np.testing.assert_allclose(np.asarray(invariant), ref, atol=1e-5)

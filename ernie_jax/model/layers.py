@@ -11,7 +11,6 @@ E experts, F FFN width, k experts per token.
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -98,15 +97,25 @@ def paged_attention_blocks(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, k
     stops after the block holding the largest position, so a step costs what the sequences hold, not
     the block tables' capacity (max_model_len). Later blocks would be fully masked and change nothing,
     so a sequence's result does not depend on the others in its batch. one_block: read the whole table
-    in one block, without a loop. `constrain` pins each gathered block's sharding (the model passes
-    the cache's KV-head layout)."""
+    in one block, without a loop (under a mesh, where `constrain` pins each gathered block's sharding to
+    the cache's KV-head layout).
+
+    Decode (T == 1, no mesh) reads a block as it lies in the pool, [B, S*K, D] with the KV heads interleaved
+    in the slot axis, and scores every query head against every head's slots, masking the other groups'
+    (K times the matmul work of one query row). Grouping the slots by head, [B,K,S,D], is a transposing
+    copy of every gathered page, which cost a decode step more than the K-fold matmuls on XLA:CPU."""
     B, T, N, D = q.shape
     page, K = k_pool.shape[1], k_pool.shape[2]
+    R = N // K
     bp = tables.shape[1] if one_block else max(1, min(tables.shape[1], PAGED_BLOCK_SLOTS // page))
     nb = -(-tables.shape[1] // bp)
     tables = jnp.pad(tables, ((0, 0), (0, nb * bp - tables.shape[1])))  # past the end: masked by position
     S = bp * page
-    qg = q.reshape(B, T, K, N // K, D)
+    flat = T == 1 and not one_block
+    qg = q.reshape(B, N, D) if flat else q.reshape(B, T, K, R, D)
+    # The slots of a block as the scores' last axis: slot s of head h at s*K + h (flat) or s (grouped).
+    slot = jnp.arange(S * K) // K if flat else jnp.arange(S)
+    own_head = (jnp.arange(S * K) % K == jnp.arange(K)[:, None])[None, :, None, None] if flat else True  # [1,K,1,1,SK]
 
     def gather(pool, scale, ids):  # -> [B,S,K,D] in q's dtype
         x = kv_cache.loaded(pool[ids])  # [B,bp,page,K,D]
@@ -114,20 +123,30 @@ def paged_attention_blocks(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, k
             x = x.astype(jnp.float32) * scale[ids][..., None]
         return constrain(x.reshape(B, S, K, D).astype(q.dtype))
 
+    def scores(k):  # -> [B,K,R,T,S or S*K] f32
+        if flat:
+            return jnp.einsum("bnd,bsd->bns", qg, k.reshape(B, S * K, D),
+                              preferred_element_type=jnp.float32).reshape(B, K, R, 1, S * K)
+        return jnp.einsum("btkrd,bskd->bkrts", qg, k, preferred_element_type=jnp.float32)
+
+    def weighted(e, v):  # e [B,K,R,T,S or S*K] -> [B,K,R,T,D] f32
+        if flat:
+            return jnp.einsum("bns,bsd->bnd", e.reshape(B, N, S * K), v.reshape(B, S * K, D),
+                              preferred_element_type=jnp.float32).reshape(B, K, R, 1, D)
+        return jnp.einsum("bkrts,bskd->bkrtd", e, v, preferred_element_type=jnp.float32)
+
     def body(i, carry):
         m, denom, acc = carry  # [B,K,R,T], [B,K,R,T], [B,K,R,T,D] f32
         ids = lax.dynamic_slice_in_dim(tables, i * bp, bp, axis=1)
         k, v = gather(k_pool, k_scale, ids), gather(v_pool, v_scale, ids)
-        s = jnp.einsum("btkrd,bskd->bkrts", qg, k, preferred_element_type=jnp.float32) * (D ** -0.5)
-        visible = i * S + jnp.arange(S)[None, None, :] <= positions[:, :, None]  # [B,T,S]
-        s = jnp.where(visible[:, None, None], s, _NEG_INF)
+        s = scores(k) * (D ** -0.5)
+        visible = (i * S + slot[None, None, :] <= positions[:, :, None])[:, None, None] & own_head  # [B,K|1,1,T,SK]
+        s = jnp.where(visible, s, _NEG_INF)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         alpha = jnp.exp(m - m_new)
         e = jnp.exp(s - m_new[..., None])
-        pv = jnp.einsum("bkrts,bskd->bkrtd", e.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return m_new, denom * alpha + jnp.sum(e, axis=-1), acc * alpha[..., None] + pv
+        return m_new, denom * alpha + jnp.sum(e, axis=-1), acc * alpha[..., None] + weighted(e.astype(v.dtype), v)
 
-    R = N // K
     init = (jnp.full((B, K, R, T), _NEG_INF, jnp.float32), jnp.zeros((B, K, R, T), jnp.float32),
             jnp.zeros((B, K, R, T, D), jnp.float32))
     if nb == 1:
@@ -234,22 +253,8 @@ def expert_capacities(tokens: int, k: int, num_experts: int) -> list[int]:
     return out + [tokens]
 
 
-def expert_weights(w: dict) -> tuple[Any, Any, bool]:
-    """(up_gate, down, k_major) of a MoE layer's routed experts: [E,H,2F] and [E,F,H], or, under the
-    `_kmajor` names, stored [E,2F,H] and [E,H,F] (weights.cpu_layout says when and why)."""
-    if "experts_up_gate_kmajor" in w:
-        return w["experts_up_gate_kmajor"], w["experts_down_kmajor"], True
-    return w["experts_up_gate"], w["experts_down"], False
-
-
-def in_out(w, k_major: bool):
-    """An expert weight stack as [E, in, out], the layout the grouped matmuls take."""
-    return jnp.swapaxes(w, 1, 2) if k_major else w
-
-
 def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, up_gate, down, num_experts: int,
-                   first_expert: jax.Array | int = 0, batch_invariant: bool = False,
-                   k_major: bool = False) -> jax.Array:
+                   first_expert: jax.Array | int = 0, batch_invariant: bool = False) -> jax.Array:
     """The routed-expert output of the experts [first_expert, first_expert + E_local) held in up_gate/down.
 
     x [T,H]; weights, ids [T,k]. With every expert local this is the whole routed output; under expert
@@ -257,15 +262,14 @@ def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, up_gate, do
     assignment to a local expert is computed, whatever the load.
     batch_invariant: on the capacity path, always use the largest capacity, so a token's result never
     depends on how the other tokens were routed.
-    k_major: up_gate/down are stored [E, out, in] (expert_weights).
     """
     impl = expert_impl(ids.size, num_experts, up_gate, batch_invariant)
     if impl == "tiled":
-        return _tiled_experts(x, weights, ids, up_gate, down, first_expert, k_major=k_major)
+        return _tiled_experts(x, weights, ids, up_gate, down, first_expert)
     if impl == "capacity":
         caps = expert_capacities(ids.shape[0], ids.shape[1], num_experts)
         caps = caps[-1:] if batch_invariant else caps
-        run = [functools.partial(_capacity_experts, capacity=c, k_major=k_major) for c in caps]
+        run = [functools.partial(_capacity_experts, capacity=c) for c in caps]
         if len(run) == 1:
             return run[0](x, weights, ids, up_gate, down, first_expert)
         local = up_gate.shape[0]
@@ -275,7 +279,6 @@ def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, up_gate, do
                           first_expert)
     T, k = ids.shape
     local = up_gate.shape[0]
-    up_gate, down = in_out(up_gate, k_major), in_out(down, k_major)
     order, inverse, sizes = sort_by_expert(ids, num_experts)
     xs = x[order // k]
     if local == num_experts:
@@ -304,21 +307,12 @@ def _ranks(key: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
     return jnp.sum((jnp.cumsum(hot, axis=0) - 1) * hot, axis=-1), jnp.sum(hot, axis=0)
 
 
-# Up to this capacity, K-major experts keep the rows transposed (_capacity_experts says why).
-KMAJOR_COLUMN_CAPACITY = 32
-
-
-def _capacity_experts(x, weights, ids, up_gate, down, first_expert, *, capacity: int, k_major: bool) -> jax.Array:
+def _capacity_experts(x, weights, ids, up_gate, down, first_expert, *, capacity: int) -> jax.Array:
     """Routed experts as one batched matmul over the local experts, each given `capacity` row slots.
 
     The caller picks a capacity at least the largest local expert load, so every assignment gets a slot
     (nothing is dropped); empty slots compute on zeros. XLA:CPU runs this batched matmul straight from the
     expert weights' layout, and its cost follows the routed load rather than T*E_local.
-    K-major weights ([E,out,in]): up to KMAJOR_COLUMN_CAPACITY rows per expert (decode), the weights are
-    the left operand of each matmul and the rows stay transposed in between ([E,2F,C], [E,H,C]); XLA:CPU's
-    bf16 matmul then reads the weights in place, about twice as fast as from the [E,in,out] right operand,
-    and at decode reading them is the cost. At larger capacities (prefill) the rows stay rows: gathering
-    each assignment's result across a transposed [E,H,C] would read a cache line per element.
     """
     T, k = ids.shape
     local, C = up_gate.shape[0], capacity
@@ -329,28 +323,9 @@ def _capacity_experts(x, weights, ids, up_gate, down, first_expert, *, capacity:
     # would make XLA:CPU scatter in f32 and hand the matmul f32 rows (and so f32 copies of the weights).
     src = jnp.full((local * C + 1,), T, jnp.int32).at[slot].set(jnp.arange(T * k, dtype=jnp.int32) // k)
     xs = jnp.take(x, src[:-1].reshape(local, C), axis=0, mode="fill", fill_value=0)  # [E_local,C,H]
-
-    if k_major and C <= KMAJOR_COLUMN_CAPACITY:
-        h = _batched(up_gate, xs, ((2,), (2,)), x.dtype)  # [E_local,2F,C]
-        ys_t = _batched(down, silu_mul(*jnp.split(h, 2, axis=1)), ((2,), (1,)), x.dtype)  # [E_local,H,C]
-        ys = jnp.where(mine[:, None], ys_t[jnp.where(mine, e, 0), :, rank], 0)  # [T*k,H]
-    else:
-        ys = _expert_rows(xs, up_gate, down, k_major)
-        ys = jnp.take(ys.reshape(local * C, -1), slot, axis=0, mode="fill", fill_value=0)  # [T*k,H], 0 if not local
+    ys = jax.vmap(swiglu)(xs, up_gate, down)  # [E_local,C,H]
+    ys = jnp.take(ys.reshape(local * C, -1), slot, axis=0, mode="fill", fill_value=0)  # [T*k,H], 0 if not local
     return _combine(ys, weights)
-
-
-def _batched(a, w, contract, dtype):
-    """[E,...] x [E,...] -> f32, rounded to the activation dtype like `linear`."""
-    return lax.dot_general(a, w, (contract, ((0,), (0,))), preferred_element_type=jnp.float32).astype(dtype)
-
-
-def _expert_rows(xs: jax.Array, up_gate, down, k_major: bool) -> jax.Array:
-    """SwiGLU of each expert's rows: xs [E,C,H] -> [E,C,H], the weights [E,in,out] or K-major."""
-    if not k_major:
-        return jax.vmap(swiglu)(xs, up_gate, down)
-    h = _batched(xs, up_gate, ((2,), (2,)), xs.dtype)  # [E,C,2F]
-    return _batched(silu_mul(*jnp.split(h, 2, axis=-1)), down, ((2,), (2,)), xs.dtype)
 
 
 def _combine(ys: jax.Array, weights: jax.Array) -> jax.Array:
@@ -367,7 +342,7 @@ def _bits(x: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
 
 
-def _tiled_experts(x, weights, ids, up_gate, down, first_expert, *, k_major: bool) -> jax.Array:
+def _tiled_experts(x, weights, ids, up_gate, down, first_expert) -> jax.Array:
     """Routed experts over the assignments sorted by expert, EXPERT_TILE_ROWS rows at a time: one loop per
     local expert, over ceil(load / tile) tiles, so the work follows the routed load with at most one tile
     of padding per expert (the capacity form pads every expert to the largest load, then to a power of two).
@@ -390,10 +365,10 @@ def _tiled_experts(x, weights, ids, up_gate, down, first_expert, *, k_major: boo
     def tile(j, ys, *, i, w_up, w_down):
         r = starts[i] + j * BT
         xt = lax.bitcast_convert_type(lax.dynamic_slice_in_dim(xs, r, BT), x.dtype)
-        y = _expert_rows(xt[None], w_up, w_down, k_major)[0]
+        y = swiglu(xt, w_up, w_down)
         return lax.dynamic_update_slice_in_dim(ys, _bits(y), r, 0)
 
-    one = lambda w, i: lax.bitcast_convert_type(_bits(w)[i:i + 1], w.dtype)  # noqa: E731 -- expert i's [1,...]
+    one = lambda w, i: lax.bitcast_convert_type(_bits(w)[i], w.dtype)  # noqa: E731 -- expert i's matrix
     ys = jnp.zeros_like(xs)
     for i in range(local):
         body = functools.partial(tile, i=i, w_up=one(up_gate, i), w_down=one(down, i))
@@ -409,9 +384,8 @@ def moe(x: jax.Array, w: dict, cfg: ErnieConfig, batch_invariant: bool = False) 
     """
     x2 = x.reshape(-1, x.shape[-1])
     weights, ids = route(x2, w["router"], w["router_bias"], cfg)
-    up_gate, down, k_major = expert_weights(w)
-    y = routed_experts(x2, weights, ids, up_gate, down, cfg.moe_num_experts, batch_invariant=batch_invariant,
-                       k_major=k_major)
+    y = routed_experts(x2, weights, ids, w["experts_up_gate"], w["experts_down"], cfg.moe_num_experts,
+                       batch_invariant=batch_invariant)
     return (y + shared_experts(x2, w)).reshape(x.shape), ids
 
 

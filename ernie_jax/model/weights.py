@@ -162,42 +162,23 @@ def param_counts(cfg: ErnieConfig) -> dict[str, int]:
 
 
 def cpu_layout(weights: dict[str, Any]) -> dict[str, Any]:
-    """The weights as the engine runs them on XLA:CPU, each leaf its own buffer on the same devices (sharded
-    like its stacked leaf):
-    - each segment's stacked [L, ...] leaves split into a list of L per-layer pytrees, which forward()
-      unrolls. XLA:CPU copies a layer's weights out of the stack on every step of a lax.scan (a dynamic
-      slice feeding a matmul), which made the bench model's decode step 8x slower in bf16; accelerators
-      read the slice in place and keep the scan.
-    - the routed experts' plain (not block-FP8) matrices stored K-major, [E, out, in], under the
-      `experts_up_gate_kmajor` / `experts_down_kmajor` names (layers.expert_weights): XLA:CPU's bf16
-      matmul reads a weight in place as the left operand and repacks it as the right one, which made the
-      expert matmuls of a decode step twice as slow.
-    """
+    """The weights as the engine runs them on XLA:CPU: each segment's stacked [L, ...] leaves split into a
+    list of L per-layer pytrees (each leaf its own buffer, on the same devices and sharded like its stacked
+    leaf), which forward() unrolls. XLA:CPU copies a layer's weights out of the stack on every step of a
+    lax.scan (a dynamic slice feeding a matmul), which made the bench model's decode step 8x slower in bf16;
+    accelerators read the slice in place and keep the scan."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    def layer_sharding(a, k_major):
+    def layer_sharding(a):
         s = a.sharding
         if not isinstance(s, NamedSharding):
             return s
-        spec = list(tuple(s.spec)[1:]) + [None] * (a.ndim - len(s.spec))
-        if k_major:
-            spec[-2:] = spec[:-3:-1]
-        return NamedSharding(s.mesh, P(*spec))
-
-    def per_layer(seg, plain, k_major):  # one layer's leaves: plain(a) each, k_major(a) for K-major experts
-        out = {}
-        for name, a in seg.items():
-            if name in ("experts_up_gate", "experts_down") and not isinstance(a, BlockFP8):
-                out[name + "_kmajor"] = k_major(a)
-            else:
-                out[name] = jax.tree.map(plain, a)
-        return out
+        return NamedSharding(s.mesh, P(*(list(tuple(s.spec)[1:]) + [None] * (a.ndim - len(s.spec)))))
 
     segments = []
     for seg in weights["segments"]:
         count = jax.tree.leaves(seg)[0].shape[0]
-        shardings = per_layer(seg, lambda a: layer_sharding(a, False), lambda a: layer_sharding(a, True))
-        split = jax.jit(lambda seg: [per_layer(seg, lambda a: a[i], lambda a: jnp.swapaxes(a[i], -1, -2))
-                                     for i in range(count)], out_shardings=[shardings] * count)
+        split = jax.jit(lambda seg: [jax.tree.map(lambda a: a[i], seg) for i in range(count)],
+                        out_shardings=[jax.tree.map(layer_sharding, seg)] * count)
         segments.append(split(seg))
     return {**weights, "segments": segments}

@@ -22,7 +22,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from ernie_jax.config import ErnieConfig
-from ernie_jax.model.layers import expert_weights, grouped_swiglu, in_out, route, routed_experts, shared_experts
+from ernie_jax.model.layers import grouped_swiglu, route, routed_experts, shared_experts
 from ernie_jax.sharding.collectives import axis_linear_index, ragged_all_to_all
 from ernie_jax.sharding.rules import ShardingError, ShardingPlan
 
@@ -60,8 +60,6 @@ def moe_ep(x: jax.Array, w: dict, cfg: ErnieConfig, plan: ShardingPlan, batch_in
     local = cfg.moe_num_experts // n
     a2a = _dispatch() == "all_to_all" and n > 1
     bspec = (batch_axes if len(batch_axes) > 1 else batch_axes[0]) if batch_axes else None
-    up_gate, down, k_major = expert_weights(w)
-    suffix = "_kmajor" if k_major else ""
 
     def body(x, router, bias, up_gate, down):
         if gather:
@@ -70,10 +68,10 @@ def moe_ep(x: jax.Array, w: dict, cfg: ErnieConfig, plan: ShardingPlan, batch_in
         x2 = x.reshape(b * t, h)
         weights, ids = route(x2, router, bias, cfg)
         if a2a:
-            y = _all_to_all_experts(x2, weights, ids, in_out(up_gate, k_major), in_out(down, k_major), expert_axes, n)
+            y = _all_to_all_experts(x2, weights, ids, up_gate, down, expert_axes, n)
         else:
             y = routed_experts(x2, weights, ids, up_gate, down, cfg.moe_num_experts,
-                               axis_linear_index(expert_axes) * local, batch_invariant, k_major)
+                               axis_linear_index(expert_axes) * local, batch_invariant)
         y = y.reshape(b, t, h)
         ids = ids.reshape(b, t, -1)
         if not a2a and reduce:  # a2a: y is already the whole sum, the same on every device
@@ -83,8 +81,9 @@ def moe_ep(x: jax.Array, w: dict, cfg: ErnieConfig, plan: ShardingPlan, batch_in
             ids = _my_rows(ids, gather, plan)
         return y, ids
 
-    in_specs = (P(bspec, None, None), P(), P(), plan.param_spec("experts_up_gate" + suffix, up_gate),
-                plan.param_spec("experts_down" + suffix, down))
+    up_gate, down = w["experts_up_gate"], w["experts_down"]
+    in_specs = (P(bspec, None, None), P(), P(), plan.param_spec("experts_up_gate", up_gate),
+                plan.param_spec("experts_down", down))
     y, ids = jax.shard_map(body, mesh=plan.mesh, in_specs=in_specs, out_specs=(P(bspec, None, None),
                                                                                P(bspec, None, None)),
                            check_vma=False)(x, w["router"], w["router_bias"], up_gate, down)

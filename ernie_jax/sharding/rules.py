@@ -48,7 +48,6 @@ LEAF_AXES: dict[str, tuple] = {
     "shared_up_gate": ("embed", "mlp"), "shared_down": ("mlp", "embed"),
     "router": ("embed", None), "router_bias": (None,),
     "experts_up_gate": ("experts", "embed", None), "experts_down": ("experts", None, "embed"),
-    "experts_up_gate_kmajor": ("experts", None, "embed"), "experts_down_kmajor": ("experts", "embed", None),
     "k_scale": ("kv_heads",), "v_scale": ("kv_heads",),
     "proj": ("embed", None),
 }
