@@ -114,7 +114,7 @@ def sample(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: j
         rep = repetition[:, None]
         logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
         logits = logits - frequency[:, None] * counts - presence[:, None] * (counts > 0) + bias
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = _argmax(logits)
     # An all-greedy batch skips the full-vocabulary sort (lax.cond runs one branch).
     tokens = lax.cond(jnp.any(temperature > 0), lambda: _sample_rows(
         logits, greedy, temperature, top_p, top_k, min_p, seeds, steps), lambda: greedy)
@@ -122,6 +122,14 @@ def sample(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: j
     top_lp, top_ids = lax.top_k(logprobs_all, num_logprobs) if num_logprobs else (
         jnp.zeros((logits.shape[0], 0)), jnp.zeros((logits.shape[0], 0), jnp.int32))
     return tokens, token_logprobs, top_ids.astype(jnp.int32), top_lp
+
+
+def _argmax(logits: jax.Array) -> jax.Array:
+    """jnp.argmax over the last axis (the first maximum, or the first NaN), as a max and a min: XLA:CPU's
+    variadic argmax reduction took a third of a millisecond for 16 x 8192 logits, these two 0.1 ms."""
+    V = logits.shape[-1]
+    top = (logits == jnp.max(logits, axis=-1, keepdims=True)) | jnp.isnan(logits)
+    return jnp.min(jnp.where(top, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
 
 
 def _sample_rows(logits, greedy, temperature, top_p, top_k, min_p, seeds, steps):

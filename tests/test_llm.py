@@ -50,6 +50,23 @@ def test_top_k_1_and_tiny_top_p_are_greedy():
         assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in greedy]
 
 
+def test_greedy_pick_is_argmax():
+    """The sampler's greedy pick (a max and a min index) is jnp.argmax: the first of tied maxima, the first
+    NaN in a row holding one, and 0 in a row of -inf."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from ernie_jax.sampling import _argmax
+    x = np.random.default_rng(0).normal(size=(6, 300)).astype(np.float32)
+    x[1, [7, 40, 299]] = 9.0  # a tie
+    x[2, [10, 20]] = np.nan
+    x[3] = -np.inf
+    x[4, -1] = np.inf
+    x[5] = 1.0
+    np.testing.assert_array_equal(np.asarray(_argmax(jnp.asarray(x))), np.asarray(jnp.argmax(jnp.asarray(x), -1)))
+    assert np.asarray(_argmax(jnp.asarray(x))).tolist()[1:4] == [7, 10, 0]
+
+
 def test_stop_token_ids_and_eos():
     llm = tiny()
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
