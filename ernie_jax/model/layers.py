@@ -100,10 +100,12 @@ def paged_attention_blocks(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, k
     in one block, without a loop (under a mesh, where `constrain` pins each gathered block's sharding to
     the cache's KV-head layout).
 
-    Decode (T == 1, no mesh) reads a block as it lies in the pool, [B, S*K, D] with the KV heads interleaved
-    in the slot axis, and scores every query head against every head's slots, masking the other groups'
-    (K times the matmul work of one query row). Grouping the slots by head, [B,K,S,D], is a transposing
-    copy of every gathered page, which cost a decode step more than the K-fold matmuls on XLA:CPU."""
+    Decode (T == 1, no mesh) reads a block as it lies in the pool, [B, S, K*D], and contracts over K*D with
+    each query head placed in its KV head's D columns and zeros elsewhere (block-diagonal), so each head
+    scores only its own group's slots (K times the matmul work of one query row); the weighted values come
+    back for every head's D columns and each query head keeps its own. Grouping the slots by head,
+    [B,K,S,D], is a transposing copy of every gathered page, which cost a decode step more than the K-fold
+    matmuls on XLA:CPU."""
     B, T, N, D = q.shape
     page, K = k_pool.shape[1], k_pool.shape[2]
     R = N // K
@@ -112,10 +114,12 @@ def paged_attention_blocks(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, k
     tables = jnp.pad(tables, ((0, 0), (0, nb * bp - tables.shape[1])))  # past the end: masked by position
     S = bp * page
     flat = T == 1 and not one_block
-    qg = q.reshape(B, N, D) if flat else q.reshape(B, T, K, R, D)
-    # The slots of a block as the scores' last axis: slot s of head h at s*K + h (flat) or s (grouped).
-    slot = jnp.arange(S * K) // K if flat else jnp.arange(S)
-    own_head = (jnp.arange(S * K) % K == jnp.arange(K)[:, None])[None, :, None, None] if flat else True  # [1,K,1,1,SK]
+    own = jnp.arange(K)[:, None] == jnp.arange(K)  # [K (query head's group), K (columns' KV head)]
+    if flat:  # [B,N,K*D]: head n = (g, r) holds q in the columns of KV head g, zeros in the others
+        qg = jnp.where(own[None, :, None, :, None], q.reshape(B, K, R, 1, D), 0).reshape(B, N, K * D)
+    else:
+        qg = q.reshape(B, T, K, R, D)
+    slot = jnp.arange(S)
 
     def gather(pool, scale, ids):  # -> [B,S,K,D] in q's dtype
         x = kv_cache.loaded(pool[ids])  # [B,bp,page,K,D]
@@ -123,16 +127,17 @@ def paged_attention_blocks(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, k
             x = x.astype(jnp.float32) * scale[ids][..., None]
         return constrain(x.reshape(B, S, K, D).astype(q.dtype))
 
-    def scores(k):  # -> [B,K,R,T,S or S*K] f32
+    def scores(k):  # -> [B,K,R,T,S] f32
         if flat:
-            return jnp.einsum("bnd,bsd->bns", qg, k.reshape(B, S * K, D),
-                              preferred_element_type=jnp.float32).reshape(B, K, R, 1, S * K)
+            return jnp.einsum("bnx,bsx->bns", qg, k.reshape(B, S, K * D),
+                              preferred_element_type=jnp.float32).reshape(B, K, R, 1, S)
         return jnp.einsum("btkrd,bskd->bkrts", qg, k, preferred_element_type=jnp.float32)
 
-    def weighted(e, v):  # e [B,K,R,T,S or S*K] -> [B,K,R,T,D] f32
-        if flat:
-            return jnp.einsum("bns,bsd->bnd", e.reshape(B, N, S * K), v.reshape(B, S * K, D),
-                              preferred_element_type=jnp.float32).reshape(B, K, R, 1, D)
+    def weighted(e, v):  # e [B,K,R,T,S] -> [B,K,R,T,D] f32
+        if flat:  # every KV head's values for each query head; keep the head's own group
+            o = jnp.einsum("bns,bsx->bnx", e.reshape(B, N, S), v.reshape(B, S, K * D),
+                           preferred_element_type=jnp.float32).reshape(B, K, R, K, D)
+            return jnp.sum(jnp.where(own[None, :, None, :, None], o, 0), axis=3)[:, :, :, None]
         return jnp.einsum("bkrts,bskd->bkrtd", e, v, preferred_element_type=jnp.float32)
 
     def body(i, carry):
@@ -140,7 +145,7 @@ def paged_attention_blocks(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, k
         ids = lax.dynamic_slice_in_dim(tables, i * bp, bp, axis=1)
         k, v = gather(k_pool, k_scale, ids), gather(v_pool, v_scale, ids)
         s = scores(k) * (D ** -0.5)
-        visible = (i * S + slot[None, None, :] <= positions[:, :, None])[:, None, None] & own_head  # [B,K|1,1,T,SK]
+        visible = (i * S + slot[None, None, :] <= positions[:, :, None])[:, None, None]  # [B,1,1,T,S]
         s = jnp.where(visible, s, _NEG_INF)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         alpha = jnp.exp(m - m_new)
