@@ -2,6 +2,7 @@
 
 import asyncio
 import functools
+import os
 import re
 
 import jax
@@ -12,7 +13,7 @@ import pytest
 from ernie_jax import LLM, RequestError, SamplingParams, SamplingParamsError, load_pretrained
 from ernie_jax.assets import EMBEDDED_MODEL_DIR
 from ernie_jax.engine.async_engine import AsyncEngine
-from ernie_jax.engine.programs import min_decode_rows
+from ernie_jax.engine.programs import cpu_expert_groups, min_decode_rows
 from tests.conftest import GOLDEN
 
 SMALL = dict(max_model_len=64, max_num_seqs=4)
@@ -117,7 +118,9 @@ def test_cpu_decode_reads_bf16_weights_as_stored():
     engine = tiny.engine
     assert sorted(engine.decoder.ready["decode"]) == [2, 4]
     leaves = jax.tree.leaves(engine.decoder.weights["segments"])
-    assert any(a.shape == (8, 128, 128) for a in leaves)  # experts_up_gate [E, H, 2F]
+    groups = cpu_expert_groups(8)  # one per core
+    assert 8 % groups == 0 and groups <= (os.cpu_count() or 1)
+    assert any(a.shape == (8 // groups, 128, 128) for a in leaves)  # experts_up_gate [E, H, 2F] in groups
     weight_shapes = {",".join(map(str, a.shape)) for a in leaves if a.dtype == jnp.bfloat16 and a.ndim >= 2}
     for exe in engine.decoder.executables("decode"):
         f32 = set(re.findall(r"= f32\[([\d,]*)\]", exe.as_text()))

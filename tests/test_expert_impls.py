@@ -56,12 +56,14 @@ def test_expert_capacities_cover_every_load():
         assert caps[0] >= min(-(-tokens * k // experts), tokens)  # nothing below the mean load
 
 
+@pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("skew", [False, True], ids=["random", "skewed"])
 @pytest.mark.parametrize("first, local", [(0, 8), (2, 2), (6, 2)])
-def test_cpu_paths_match_ragged_path(skew, first, local, monkeypatch):
+def test_cpu_paths_match_ragged_path(skew, first, local, groups, monkeypatch):
     """The CPU capacity and tiled formulations against the grouped-matmul one, for all experts and for a
     device's slice of them (expert parallelism), with routing spread out and with every token on the same
-    two experts (the largest capacity is taken: nothing is dropped; tiles run past their expert's rows)."""
+    two experts (the largest capacity is taken: nothing is dropped; tiles run past their expert's rows),
+    with the experts stacked and split in groups (weights.cpu_layout)."""
     monkeypatch.setattr(layers, "EXPERT_TILE_ROWS", 4)  # several tiles per expert, and partial ones
     T, H, F, E, k = 19, 32, 16, 8, 2
     key = jax.random.split(jax.random.key(0), 4)
@@ -73,6 +75,9 @@ def test_cpu_paths_match_ragged_path(skew, first, local, monkeypatch):
         pick(jax.random.split(key[3], T)).astype(jnp.int32)
     w = jax.nn.softmax(jax.random.normal(key[3], (T, k)), axis=-1)
     ug, dn = up_gate[first:first + local], down[first:first + local]
+    if groups > 1:
+        n = local // groups
+        ug, dn = (tuple(a[g * n:(g + 1) * n] for g in range(groups)) for a in (ug, dn))
     out = {}
     for impl in ("capacity", "tiled", "ragged"):
         layers.EXPERT_IMPL = impl

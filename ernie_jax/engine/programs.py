@@ -102,6 +102,13 @@ def min_decode_rows(model: ErnieForCausalLM) -> int:
     return 2 if plain_bf16 else 1
 
 
+def cpu_expert_groups(num_experts: int) -> int:
+    """How many groups an unsharded CPU model's routed experts are split into (weights.cpu_layout): one per
+    core XLA:CPU runs on, the largest divisor of num_experts that is not above the core count."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(g for g in range(1, max(1, min(cores, num_experts)) + 1) if num_experts % g == 0)
+
+
 def decode_buckets(max_num_seqs: int, min_rows: int = 1, batch_invariant: bool = False) -> list[int]:
     """Decode batch sizes: powers of two from min_rows (min_decode_rows) up to max_num_seqs, or only
     max_num_seqs when batch_invariant."""
@@ -155,7 +162,8 @@ class ModelPrograms:
         self.cfg, self.plan, self.name = model.config, model.plan, name
         self.weights = model.weights()
         if platform(model) == "cpu":
-            self.weights = cpu_layout(self.weights)  # why: weights.cpu_layout
+            groups = cpu_expert_groups(self.cfg.moe_num_experts) if self.plan is None else 1
+            self.weights = cpu_layout(self.weights, expert_groups=groups)  # why: weights.cpu_layout
         self.page_size, self.max_pages = page_size, max_pages_per_seq
         if self.plan is not None:
             self.devices = list(self.plan.mesh.devices.flat)

@@ -204,7 +204,9 @@ def sort_by_expert(ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Arr
 
 
 def grouped_swiglu(xs: jax.Array, up_gate: jax.Array, down: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """SwiGLU experts over rows sorted by expert (ragged groups): xs [M,H], up_gate [E,H,2F], down [E,F,H]."""
+    """SwiGLU experts over rows sorted by expert (ragged groups): xs [M,H], up_gate [E,H,2F], down [E,F,H]
+    (or tuples of consecutive expert groups, weights.cpu_layout)."""
+    up_gate, down = (jnp.concatenate(w) if isinstance(w, tuple) else w for w in (up_gate, down))
     u = _ragged_dot(xs, up_gate, group_sizes)
     return _ragged_dot(silu_mul(*jnp.split(u.astype(xs.dtype), 2, axis=-1)), down, group_sizes).astype(xs.dtype)
 
@@ -238,7 +240,7 @@ def expert_impl(assignments: int, num_experts: int, up_gate, batch_invariant: bo
         return EXPERT_IMPL
     if jax.default_backend() != "cpu":
         return "ragged"
-    tiled = (not batch_invariant and isinstance(up_gate, jax.Array)
+    tiled = (not batch_invariant and isinstance(up_gate, (jax.Array, tuple))
              and assignments >= EXPERT_TILE_ROWS * num_experts)
     return "tiled" if tiled else "capacity"
 
@@ -277,13 +279,13 @@ def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, up_gate, do
         run = [functools.partial(_capacity_experts, capacity=c) for c in caps]
         if len(run) == 1:
             return run[0](x, weights, ids, up_gate, down, first_expert)
-        local = up_gate.shape[0]
+        local = _num_local(up_gate)
         e, mine = _local_assignments(ids, first_expert, local)
         load = jnp.bincount(jnp.where(mine, e, local), length=local)  # local experts only
         return lax.switch(jnp.sum(jnp.asarray(caps[:-1]) < jnp.max(load)), run, x, weights, ids, up_gate, down,
                           first_expert)
     T, k = ids.shape
-    local = up_gate.shape[0]
+    local = _num_local(up_gate)
     order, inverse, sizes = sort_by_expert(ids, num_experts)
     xs = x[order // k]
     if local == num_experts:
@@ -297,6 +299,16 @@ def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, up_gate, do
         row = jnp.arange(T * k)
         ys = jnp.where(((row >= start) & (row < start + jnp.sum(local_sizes)))[:, None], ys, 0)
     return _combine(ys[inverse], weights)
+
+
+def _expert_groups(w) -> tuple:
+    """An expert leaf as its groups of consecutive experts: a stacked [E_local, ...] leaf is one group; the
+    CPU layout holds a tuple of several (weights.cpu_layout)."""
+    return w if isinstance(w, tuple) else (w,)
+
+
+def _num_local(w) -> int:
+    return sum(g.shape[0] for g in _expert_groups(w))
 
 
 def _local_assignments(ids: jax.Array, first_expert, local: int) -> tuple[jax.Array, jax.Array]:
@@ -320,7 +332,7 @@ def _capacity_experts(x, weights, ids, up_gate, down, first_expert, *, capacity:
     expert weights' layout, and its cost follows the routed load rather than T*E_local.
     """
     T, k = ids.shape
-    local, C = up_gate.shape[0], capacity
+    local, C = _num_local(up_gate), capacity
     e, mine = _local_assignments(ids, first_expert, local)
     rank, _ = _ranks(e, local)  # the assignment's row within its expert (0 for other devices' experts)
     slot = jnp.where(mine, e * C + rank, local * C)  # other devices' experts go to a slot past the end
@@ -328,7 +340,9 @@ def _capacity_experts(x, weights, ids, up_gate, down, first_expert, *, capacity:
     # would make XLA:CPU scatter in f32 and hand the matmul f32 rows (and so f32 copies of the weights).
     src = jnp.full((local * C + 1,), T, jnp.int32).at[slot].set(jnp.arange(T * k, dtype=jnp.int32) // k)
     xs = jnp.take(x, src[:-1].reshape(local, C), axis=0, mode="fill", fill_value=0)  # [E_local,C,H]
-    ys = jax.vmap(swiglu)(xs, up_gate, down)  # [E_local,C,H]
+    groups = list(zip(_expert_groups(up_gate), _expert_groups(down)))
+    n = groups[0][0].shape[0]  # a batched matmul per group of experts
+    ys = jnp.concatenate([jax.vmap(swiglu)(xs[g * n:(g + 1) * n], u, d) for g, (u, d) in enumerate(groups)])
     ys = jnp.take(ys.reshape(local * C, -1), slot, axis=0, mode="fill", fill_value=0)  # [T*k,H], 0 if not local
     return _combine(ys, weights)
 
@@ -356,7 +370,7 @@ def _tiled_experts(x, weights, ids, up_gate, down, first_expert) -> jax.Array:
     the experts run in row order, so those rows' own expert overwrites them afterwards. Rows travel as
     integer bits (_bits says why)."""
     T, k = ids.shape
-    local, BT = up_gate.shape[0], EXPERT_TILE_ROWS
+    local, BT = _num_local(up_gate), EXPERT_TILE_ROWS
     e, mine = _local_assignments(ids, first_expert, local)
     key = jnp.where(mine, e, local)  # other devices' experts sort last
     rank, sizes = _ranks(key, local + 1)
@@ -373,7 +387,10 @@ def _tiled_experts(x, weights, ids, up_gate, down, first_expert) -> jax.Array:
         y = swiglu(xt, w_up, w_down)
         return lax.dynamic_update_slice_in_dim(ys, _bits(y), r, 0)
 
-    one = lambda w, i: lax.bitcast_convert_type(_bits(w)[i], w.dtype)  # noqa: E731 -- expert i's matrix
+    def one(w, i):  # expert i's matrix
+        groups = _expert_groups(w)
+        n = groups[0].shape[0]
+        return lax.bitcast_convert_type(_bits(groups[i // n])[i % n], groups[0].dtype)
     ys = jnp.zeros_like(xs)
     for i in range(local):
         body = functools.partial(tile, i=i, w_up=one(up_gate, i), w_down=one(down, i))
