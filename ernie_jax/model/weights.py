@@ -36,10 +36,10 @@ from ernie_jax.quant import FP8, BlockFP8, quantize_block_fp8, scale_shape
 # Kept in f32 whatever the model dtype: routing decisions must not change with the activation dtype.
 F32_LEAVES = frozenset({"router", "router_bias", "k_scale", "v_scale"})
 # The linears that the FP8 release stores block-quantized (embedding, norms, router and LM head stay).
-# The routed experts' leaves, [E, ...] per layer.
-EXPERT_LEAVES = frozenset({"experts_up_gate", "experts_down"})
 QUANTIZABLE = frozenset({"qkv", "o", "up_gate", "down", "experts_up_gate", "experts_down", "shared_up_gate",
                          "shared_down", "proj"})
+# The routed experts' leaves, [E, ...] per layer.
+EXPERT_LEAVES = frozenset({"experts_up_gate", "experts_down"})
 
 
 def layer_shapes(cfg: ErnieConfig, kind: str) -> dict[str, tuple[int, ...]]:
@@ -177,10 +177,11 @@ def cpu_layout(weights: dict[str, Any], expert_groups: int = 1) -> dict[str, Any
     decode step 0.94x as long (4 groups: 0.99x)."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    def inner(s, lead: int):  # the sharding of a[i] or a[i, e0:e1] (lead=1), a sharded by s
+    def layer_sharding(a):  # the sharding of a[i] (and of a[i, e0:e1]): a's, less the layer axis
+        s = a.sharding
         if not isinstance(s, NamedSharding):
             return s
-        return NamedSharding(s.mesh, P(*tuple(s.spec)[lead:]))
+        return NamedSharding(s.mesh, P(*tuple(s.spec)[1:]))
 
     def grouped(k, a):
         return (expert_groups > 1 and k in EXPERT_LEAVES and isinstance(a, jax.Array)
@@ -199,8 +200,8 @@ def cpu_layout(weights: dict[str, Any], expert_groups: int = 1) -> dict[str, Any
     segments = []
     for seg in weights["segments"]:
         count = jax.tree.leaves(seg)[0].shape[0]
-        shardings = {k: ((inner(a.sharding, 1),) * expert_groups if grouped(k, a)
-                         else jax.tree.map(lambda a: inner(a.sharding, 1), a)) for k, a in seg.items()}
+        shardings = {k: (layer_sharding(a),) * expert_groups if grouped(k, a) else jax.tree.map(layer_sharding, a)
+                     for k, a in seg.items()}
         split = jax.jit(lambda seg: [layer(seg, i) for i in range(count)], out_shardings=[shardings] * count)
         segments.append(split(seg))
     return {**weights, "segments": segments}
