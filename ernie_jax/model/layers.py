@@ -119,7 +119,6 @@ def paged_attention_blocks(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, k
         qg = jnp.where(own[None, :, None, :, None], q.reshape(B, K, R, 1, D), 0).reshape(B, N, K * D)
     else:
         qg = q.reshape(B, T, K, R, D)
-    slot = jnp.arange(S)
 
     def gather(pool, scale, ids):  # -> [B,S,K,D] in q's dtype
         x = kv_cache.loaded(pool[ids])  # [B,bp,page,K,D]
@@ -145,7 +144,7 @@ def paged_attention_blocks(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, k
         ids = lax.dynamic_slice_in_dim(tables, i * bp, bp, axis=1)
         k, v = gather(k_pool, k_scale, ids), gather(v_pool, v_scale, ids)
         s = scores(k) * (D ** -0.5)
-        visible = (i * S + slot[None, None, :] <= positions[:, :, None])[:, None, None]  # [B,1,1,T,S]
+        visible = (i * S + jnp.arange(S)[None, None, :] <= positions[:, :, None])[:, None, None]  # [B,1,1,T,S]
         s = jnp.where(visible, s, _NEG_INF)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         alpha = jnp.exp(m - m_new)
