@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # Smoke-run the two standard OpenAI-API clients against a running server:
 #   aiperf  (NVIDIA's load generator)   -> chat endpoint, streaming, 8 requests
-#   lm_eval (lm-evaluation-harness)     -> tiny_mc loglikelihood task via /v1/completions echo+logprobs
+#   lm_eval (lm-evaluation-harness)     -> tiny_mc (loglikelihood) and heldout_rolling (loglikelihood_rolling:
+#                                          held-out perplexity) via /v1/completions echo+logprobs
 # Usage: benchmarks/run_eval_clients.sh URL TOKENIZER_DIR MODEL_NAME [VENV=/tmp/evalenv]
 #   URL            server base, e.g. http://127.0.0.1:8000 (a trailing /v1 is accepted)
 #   TOKENIZER_DIR  local HF tokenizer folder (tokenizer.json + tokenizer_config.json)
 #   MODEL_NAME     the id the server serves (sent as "model" in every request)
 #   VENV           venv with `pip install aiperf 'lm_eval[api]'`
 # Env: OUT_DIR (artifacts; default a fresh /tmp dir), TOKENIZED_REQUESTS (True: lm_eval sends
-#      token ids; False: strings), AIPERF_ARGS (extra aiperf flags).
+#      token ids; False: strings), AIPERF_ARGS (extra aiperf flags), LMEVAL_TASKS (default
+#      tiny_mc,heldout_rolling), LMEVAL_MAX_LENGTH (default 258: rolling windows of 256 tokens, the
+#      windows of python -m ernie_jax.train.evaluate --max-length 256).
 # Exits non-zero if either client fails or any aiperf request errored.
 set -euo pipefail
 
@@ -62,12 +65,13 @@ EOF
 fi
 [[ $AIPERF_RC -eq 0 ]] || { echo "aiperf FAILED (rc=$AIPERF_RC), see $OUT/aiperf.log" >&2; tail -25 "$OUT/aiperf.log" >&2; }
 
-echo "== lm_eval: tiny_mc (loglikelihood) via /v1/completions"
+TASKS="${LMEVAL_TASKS:-tiny_mc,heldout_rolling}"
+echo "== lm_eval: $TASKS via /v1/completions"
 # run from the repo root: the task's data_files path is relative to the working directory
 set +e
 (cd "$REPO" && "$VENV/bin/lm_eval" --model local-completions \
-  --model_args "model=$MODEL,base_url=$URL/v1/completions,tokenizer=$TOK,tokenizer_backend=huggingface,num_concurrent=1,max_retries=1,tokenized_requests=${TOKENIZED_REQUESTS:-True}" \
-  --include_path benchmarks/lm_eval_tasks --tasks tiny_mc \
+  --model_args "model=$MODEL,base_url=$URL/v1/completions,tokenizer=$TOK,tokenizer_backend=huggingface,num_concurrent=1,max_retries=1,tokenized_requests=${TOKENIZED_REQUESTS:-True},max_length=${LMEVAL_MAX_LENGTH:-258}" \
+  --include_path benchmarks/lm_eval_tasks --tasks "$TASKS" \
   --output_path "$OUT/lm_eval" --log_samples) > "$OUT/lm_eval.log" 2>&1
 LMEVAL_RC=$?
 set -e

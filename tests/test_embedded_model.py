@@ -1,5 +1,6 @@
-"""The embedded model (ernie_jax/assets/ernie-4.5-tiny-fp8): FP8 Paddle loading, chat generation, and a
-Hugging Face tokenizer that agrees with the SentencePiece one."""
+"""The embedded model (ernie_jax/assets/ernie-4.5-tiny-fp8, trained by python -m ernie_jax.train): FP8 Paddle
+loading, chat generation in the corpus's languages, and a Hugging Face tokenizer that agrees with the
+SentencePiece one."""
 
 import functools
 import json
@@ -11,7 +12,7 @@ import sentencepiece as spm
 import transformers
 
 from ernie_jax.assets import EMBEDDED_MODEL_DIR, EMBEDDED_MODEL_NAME
-from ernie_jax.assets.build_embedded import GENERATION_CONFIG, hf_tokenizer_json
+from ernie_jax.train.vocab import GENERATION_CONFIG, hf_tokenizer_json
 from ernie_jax.checkpoint import load_pretrained
 from ernie_jax.checkpoint.safetensors_io import SafetensorsCheckpoint
 from ernie_jax.llm import LLM
@@ -62,16 +63,17 @@ def test_folder_is_small_and_complete():
     assert files == ["config.json", "generation_config.json", "model-00001-of-00002.safetensors",
                      "model-00002-of-00002.safetensors", "model.safetensors.index.json", "special_tokens_map.json",
                      "tokenizer.json", "tokenizer.model", "tokenizer_config.json"]
-    assert sum(os.path.getsize(os.path.join(EMBEDDED_MODEL_DIR, f)) for f in files) < 8_000_000
+    assert sum(os.path.getsize(os.path.join(EMBEDDED_MODEL_DIR, f)) for f in files) < 25_000_000
     assert os.path.basename(EMBEDDED_MODEL_DIR) == EMBEDDED_MODEL_NAME
     assert _json("generation_config.json") == GENERATION_CONFIG
     # The FP8 release's storage: e4m3fn bits as I8 with F32 block scales, BF16 embeddings/norms/head, F32 router.
     ckpt = SafetensorsCheckpoint(EMBEDDED_MODEL_DIR)
     dtypes = {k: info.dtype for k, info in ckpt.tensors.items()}
-    assert dtypes["ernie.layers.1.mlp.experts.7.up_gate_proj.quant_weight"] == "I8"
-    assert ckpt.info("ernie.layers.1.mlp.experts.7.up_gate_proj.weight_scale").shape == (2, 2)
+    assert dtypes["ernie.layers.1.mlp.experts.15.up_gate_proj.quant_weight"] == "I8"
+    assert ckpt.info("ernie.layers.1.mlp.experts.15.up_gate_proj.weight_scale").shape == (2, 2)
+    assert dtypes["ernie.layers.1.mlp.shared_experts.up_gate_proj.quant_weight"] == "I8"
     assert dtypes["ernie.mtp_linear_proj.0.quant_weight"] == "I8"
-    assert dtypes["ernie.embed_tokens.weight"] == dtypes["lm_head.weight"] == "BF16"
+    assert dtypes["ernie.embed_tokens.weight"] == "BF16" and "lm_head.weight" not in dtypes  # tied head
     assert dtypes["ernie.layers.3.mlp.gate.weight"] == dtypes["ernie.layers.3.mlp.moe_statics.e_score_correction_bias"]
     assert dtypes["ernie.layers.3.mlp.gate.weight"] == "F32"
     assert not any(k.endswith("proj.weight") for k in dtypes)  # every linear is quantized
@@ -81,15 +83,15 @@ def test_load_pretrained_fp8():
     model = load_pretrained(EMBEDDED_MODEL_DIR)
     cfg = model.config
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
-            cfg.head_dim) == (256, 4, 4, 2, 64)
+            cfg.head_dim) == (256, 6, 4, 2, 64)
     assert (cfg.intermediate_size, cfg.moe_intermediate_size, cfg.moe_num_experts, cfg.moe_k,
-            cfg.moe_num_shared_experts) == (512, 128, 8, 2, 0)
-    assert [(s.kind, s.start, s.count) for s in cfg.layer_segments()] == [("dense", 0, 1), ("moe", 1, 3)]
-    assert cfg.moe_use_aux_free and not cfg.tie_word_embeddings and cfg.has_mtp
+            cfg.moe_num_shared_experts) == (768, 128, 16, 4, 2)
+    assert [(s.kind, s.start, s.count) for s in cfg.layer_segments()] == [("dense", 0, 1), ("moe", 1, 5)]
+    assert cfg.moe_use_aux_free and cfg.tie_word_embeddings and cfg.has_mtp
     assert (cfg.max_position_embeddings, cfg.rope_theta, cfg.dtype) == (4096, 500000.0, "bfloat16")
     assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (1, (2,), 0)
     pieces = sp_tokenizer().vocab_size
-    assert cfg.vocab_size == -(-pieces // 128) * 128 > pieces
+    assert cfg.vocab_size == -(-pieces // 128) * 128 >= pieces
     qc = cfg.quantization_config
     assert (qc.quantization, qc.dense_quant_type, qc.moe_quant_type, qc.weight_block_size, qc.is_quantized) == (
         "mix_quant", "block_wise_fp8", "block_wise_fp8", (128, 128), True)
@@ -97,11 +99,12 @@ def test_load_pretrained_fp8():
     w = model.weights()
     dense, moe = w["segments"]
     for leaf in (dense["qkv"], dense["o"], dense["up_gate"], dense["down"], moe["qkv"], moe["experts_up_gate"],
-                 moe["experts_down"], w["mtp"]["proj"], w["mtp"]["layer"]["qkv"], w["mtp"]["layer"]["down"]):
+                 moe["experts_down"], moe["shared_up_gate"], w["mtp"]["proj"], w["mtp"]["layer"]["qkv"],
+                 w["mtp"]["layer"]["down"]):
         assert isinstance(leaf, BlockFP8) and leaf.values.dtype == FP8 and leaf.scales.dtype == jnp.float32
-    assert moe["experts_up_gate"].shape == (3, 8, 256, 256) and moe["experts_up_gate"].scales.shape == (3, 8, 2, 2)
-    assert w["embed"].dtype == w["lm_head"].dtype == jnp.bfloat16 and w["lm_head"].shape == (256, cfg.vocab_size)
-    assert moe["router"].dtype == moe["router_bias"].dtype == jnp.float32 and moe["router_bias"].shape == (3, 8)
+    assert moe["experts_up_gate"].shape == (5, 16, 256, 256) and moe["experts_up_gate"].scales.shape == (5, 16, 2, 2)
+    assert w["embed"].dtype == jnp.bfloat16 and w["embed"].shape == (cfg.vocab_size, 256) and "lm_head" not in w
+    assert moe["router"].dtype == moe["router_bias"].dtype == jnp.float32 and moe["router_bias"].shape == (5, 16)
     assert w["mtp"]["emb_norm"].shape == w["mtp"]["hidden_norm"].shape == (256,)
 
 
@@ -117,10 +120,10 @@ def test_llm_chat_generates_text():
     assert out.prompt == "<|begin_of_sentence|>User: 你好\nAssistant: "
     assert out.prompt_token_ids == tok.encode_chat(messages) and out.prompt_token_ids[0] == tok.token_id(
         "<|begin_of_sentence|>")
-    assert tok.token_id("你好") in out.prompt_token_ids  # a real piece, not UTF-8 bytes
+    assert not any(tok.sp.is_byte(i) for i in out.prompt_token_ids)  # 你 and 好 are pieces, not UTF-8 bytes
     gen = out.outputs[0]
     assert 1 <= len(gen.token_ids) <= 8 and gen.text and gen.text == tok.decode(gen.token_ids)
-    assert len(set(gen.token_ids)) > 1 or gen.finish_reason == "stop"  # random weights, but not one token forever
+    assert any("\u4e00" <= ch <= "\u9fff" for ch in gen.text)  # a Chinese prompt gets Chinese characters back
     again = llm.chat(messages, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0]
     assert again.token_ids == gen.token_ids
 
@@ -132,7 +135,7 @@ def test_hf_tokenizer_encodes_like_sentencepiece():
         assert hf(text, add_special_tokens=False)["input_ids"] == ids, text
         assert hf.decode(ids, skip_special_tokens=True) == ours.decode(ids) == text, text
     assert any(ours.sp.is_byte(i) for i in ours.encode("龘靐齉"))
-    assert not any(ours.sp.is_byte(i) for i in ours.encode("你好，今天天气很好。"))
+    assert not any(ours.sp.is_byte(i) for i in ours.encode("滚滚长江东逝水，浪花淘尽英雄。"))  # corpus characters
     # Special-token strings inside text: single ids for HF and for encode(allow_special=True).
     text = "<|begin_of_sentence|>User: a<mask:4>b</s>\nAssistant: ok<|end_of_sentence|>"
     assert hf(text, add_special_tokens=False)["input_ids"] == ours.encode(text, allow_special=True)

@@ -109,7 +109,9 @@ def test_start_up_log_and_models(server, client):
 
 def test_chat_completion(client, tokenizer):
     messages = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "你好，介绍一下你自己"}]
-    r = client.chat.completions.create(model=EMBEDDED_MODEL_NAME, messages=messages, max_tokens=8, temperature=0)
+    # ignore_eos: the trained model may end its turn before 8 tokens
+    r = client.chat.completions.create(model=EMBEDDED_MODEL_NAME, messages=messages, max_tokens=8, temperature=0,
+                                       extra_body={"ignore_eos": True})
     c = r.choices[0]
     assert r.object == "chat.completion" and c.message.role == "assistant" and c.finish_reason == "length"
     assert r.usage.prompt_tokens == len(tokenizer.encode_chat(messages))
@@ -118,19 +120,20 @@ def test_chat_completion(client, tokenizer):
     # content as a list of text parts is the same conversation
     parts = [messages[0], {"role": "user", "content": [{"type": "text", "text": "你好，"},
                                                          {"type": "text", "text": "介绍一下你自己"}]}]
-    r2 = client.chat.completions.create(model=EMBEDDED_MODEL_NAME, messages=parts, max_tokens=8, temperature=0)
+    r2 = client.chat.completions.create(model=EMBEDDED_MODEL_NAME, messages=parts, max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True})
     assert r2.choices[0].message.content == c.message.content
 
 
 def test_text_completions_batches_and_n(client, tokenizer):
     r = client.completions.create(model=EMBEDDED_MODEL_NAME, prompt=["The engine", "专家"], max_tokens=5,
-                                  temperature=0)
+                                  temperature=0, extra_body={"ignore_eos": True})
     assert [c.index for c in r.choices] == [0, 1] and all(c.finish_reason == "length" for c in r.choices)
     assert r.usage.prompt_tokens == len(tokenizer.encode("The engine")) + len(tokenizer.encode("专家"))
     assert r.usage.completion_tokens == 10
     ids = tokenizer.encode("The engine")
     r_ids = client.completions.create(model=EMBEDDED_MODEL_NAME, prompt=[ids, [5, 6, 7]], max_tokens=5,
-                                      temperature=0)
+                                      temperature=0, extra_body={"ignore_eos": True})
     assert r_ids.choices[0].text == r.choices[0].text  # a token-id prompt is the same prompt
     r_n = client.completions.create(model=EMBEDDED_MODEL_NAME, prompt=["a", "b"], max_tokens=4, n=3,
                                     temperature=1.0, seed=7)
@@ -153,7 +156,7 @@ def test_stop_sequences(client):
 
 def test_seeds_reproducible(client):
     kw = {"model": EMBEDDED_MODEL_NAME, "messages": [{"role": "user", "content": "tell me a story"}],
-          "max_tokens": 12, "temperature": 1.0, "top_p": 0.95}
+          "max_tokens": 12, "temperature": 1.0, "top_p": 0.95, "extra_body": {"ignore_eos": True}}
     a = client.chat.completions.create(**kw, seed=1234).choices[0].message.content
     b = client.chat.completions.create(**kw, seed=1234).choices[0].message.content
     c = client.chat.completions.create(**kw, seed=99).choices[0].message.content
@@ -165,9 +168,10 @@ def test_streaming_async_client(server):
         aclient = openai.AsyncOpenAI(base_url=server["url"] + "/v1", api_key=KEY, max_retries=0)
         messages = [{"role": "user", "content": "stream, please"}]
         full = await aclient.chat.completions.create(model=EMBEDDED_MODEL_NAME, messages=messages, max_tokens=10,
-                                                     temperature=0)
+                                                     temperature=0, extra_body={"ignore_eos": True})
         chunks = [c async for c in await aclient.chat.completions.create(
             model=EMBEDDED_MODEL_NAME, messages=messages, max_tokens=10, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
             stream_options={"include_usage": True})]
         await aclient.close()
         return full, chunks
@@ -182,7 +186,8 @@ def test_streaming_async_client(server):
 
 def test_logprobs_and_extensions(client):
     r = client.chat.completions.create(model=EMBEDDED_MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
-                                       max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+                                       max_tokens=6, temperature=0, logprobs=True, top_logprobs=3,
+                                       extra_body={"ignore_eos": True})
     content = r.choices[0].logprobs.content
     assert len(content) == 6
     for e in content:

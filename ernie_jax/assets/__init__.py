@@ -4,9 +4,9 @@
 release (block-FP8 `quant_weight` + `weight_scale` linears, a sharded `model.safetensors.index.json`, the
 Paddle `config.json` dialect with its `quantization_config`, an MTP block), with a SentencePiece tokenizer
 (`tokenizer.model`, plus a `tokenizer.json` that `transformers.AutoTokenizer` loads without remote code)
-and ERNIE's chat template and generation config. Its weights are random: it exercises the real loading,
-FP8 and tokenizer paths in a few megabytes, and the server uses it when no `--model` is given.
-`python -m ernie_jax.assets.build_embedded` regenerates it deterministically.
+and ERNIE's chat template and generation config. It was trained here on public-domain English and Chinese text
+(`python -m ernie_jax.train`, recipe "embedded") and released with `python -m ernie_jax.train.release`, which
+rebuilds the folder from the training run's checkpoint. The server uses it when no `--model` is given.
 """
 
 import os

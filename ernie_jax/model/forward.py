@@ -95,7 +95,7 @@ def attention_block(x, w, cfg: ErnieConfig, positions, seg_cache=None, layer=Non
 
 
 def decoder_layer(h, w, kind: str, cfg: ErnieConfig, positions, seg_cache=None, layer=None, block_tables=None,
-                  plan=None, batch_invariant: bool = False, rotary=None):
+                  plan=None, batch_invariant: bool = False, rotary=None, expert_impl: str = "auto"):
     """Pre-norm residual block. Returns (h, seg_cache, expert ids or None)."""
     a, seg_cache = attention_block(rms_norm(h, w["input_norm"], cfg.rms_norm_eps), w, cfg, positions,
                                    seg_cache, layer, block_tables, plan, rotary)
@@ -104,15 +104,17 @@ def decoder_layer(h, w, kind: str, cfg: ErnieConfig, positions, seg_cache=None, 
     if kind == "dense":
         y, ids = swiglu(x, w["up_gate"], w["down"], plan), None
     elif plan is None:
-        y, ids = moe(x, w, cfg, batch_invariant)
+        y, ids = moe(x, w, cfg, batch_invariant, expert_impl)
     else:
-        y, ids = moe_ep(x, w, cfg, plan, batch_invariant)
+        y, ids = moe_ep(x, w, cfg, plan, batch_invariant, expert_impl)
     return _constrain(h + y, plan, HIDDEN), seg_cache, ids
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "cfg", "plan", "batch_invariant"))
-def _layer_call(h, w, seg_cache, layer, positions, rotary, block_tables, *, kind, cfg, plan, batch_invariant):
-    return decoder_layer(h, w, kind, cfg, positions, seg_cache, layer, block_tables, plan, batch_invariant, rotary)
+@functools.partial(jax.jit, static_argnames=("kind", "cfg", "plan", "batch_invariant", "expert_impl"))
+def _layer_call(h, w, seg_cache, layer, positions, rotary, block_tables, *, kind, cfg, plan, batch_invariant,
+                expert_impl):
+    return decoder_layer(h, w, kind, cfg, positions, seg_cache, layer, block_tables, plan, batch_invariant, rotary,
+                         expert_impl)
 
 
 def lm_head(weights, h: jax.Array) -> jax.Array:
@@ -125,13 +127,14 @@ def lm_head(weights, h: jax.Array) -> jax.Array:
 def forward(weights: dict[str, Any], cfg: ErnieConfig, input_ids: jax.Array, positions: jax.Array | None = None,
             cache: kvc.KVCache | None = None, logit_positions: jax.Array | None = None,
             plan: ShardingPlan | None = None, block_tables: jax.Array | None = None,
-            batch_invariant: bool = False) -> ForwardOutput:
+            batch_invariant: bool = False, expert_impl: str = "auto") -> ForwardOutput:
     """input_ids [B,T] int; positions [B,T] (default 0..T-1); with `cache`, K/V are written at `positions`
     through `block_tables` [B,n] (default: row b owns page b, a contiguous cache), and attention reads every
     filled slot, which is how incremental decoding works.
     `logit_positions` [B]: compute logits only at these token indices (e.g. the last prompt token).
     `plan`: run sharded on plan.mesh (weights and cache placed by the same plan); None runs unsharded.
     `batch_invariant`: a row's result must not depend on the other rows (layers.routed_experts).
+    `expert_impl`: the routed-expert formulation of an unsharded model (layers.routed_experts; "auto" picks).
     A segment's weights are either stacked [L, ...] (one lax.scan) or a list of per-layer pytrees
     (weights.cpu_layout; the layers are unrolled)."""
     B, T = input_ids.shape
@@ -146,7 +149,7 @@ def forward(weights: dict[str, Any], cfg: ErnieConfig, input_ids: jax.Array, pos
         seg_cache = None if cache is None else cache.segment(s)
         layer_fn = functools.partial(decoder_layer, kind=seg.kind, cfg=cfg, positions=positions,
                                      block_tables=block_tables, plan=plan, batch_invariant=batch_invariant,
-                                     rotary=rotary)
+                                     rotary=rotary, expert_impl=expert_impl)
         seg_w = weights["segments"][s]
         if isinstance(seg_w, list):
             ids = []
@@ -155,7 +158,7 @@ def forward(weights: dict[str, Any], cfg: ErnieConfig, input_ids: jax.Array, pos
                 # signature, so the layer is traced once (as under scan) and XLA inlines each call.
                 h, seg_cache, layer_ids = _layer_call(h, w, seg_cache, jnp.int32(layer), positions, rotary,
                                                       block_tables, kind=seg.kind, cfg=cfg, plan=plan,
-                                                      batch_invariant=batch_invariant)
+                                                      batch_invariant=batch_invariant, expert_impl=expert_impl)
                 ids.append(layer_ids)
             ids = None if seg.kind == "dense" else jnp.stack(ids)
         else:

@@ -260,7 +260,7 @@ def expert_capacities(tokens: int, k: int, num_experts: int) -> list[int]:
 
 
 def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, up_gate, down, num_experts: int,
-                   first_expert: jax.Array | int = 0, batch_invariant: bool = False) -> jax.Array:
+                   first_expert: jax.Array | int = 0, batch_invariant: bool = False, impl: str = "auto") -> jax.Array:
     """The routed-expert output of the experts [first_expert, first_expert + E_local) held in up_gate/down.
 
     x [T,H]; weights, ids [T,k]. With every expert local this is the whole routed output; under expert
@@ -268,8 +268,13 @@ def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, up_gate, do
     assignment to a local expert is computed, whatever the load.
     batch_invariant: on the capacity path, always use the largest capacity, so a token's result never
     depends on how the other tokens were routed.
+    impl: "auto" (expert_impl picks), or "ragged" | "capacity" | "tiled" | "sorted_tiles" chosen by the caller
+    (training takes a differentiable form: the tiled loops have data-dependent trip counts, which reverse mode
+    cannot run).
     """
-    impl = expert_impl(ids.size, num_experts, up_gate, batch_invariant)
+    impl = expert_impl(ids.size, num_experts, up_gate, batch_invariant) if impl == "auto" else impl
+    if impl == "sorted_tiles":
+        return _sorted_tile_experts(x, weights, ids, up_gate, down, first_expert)
     if impl == "tiled":
         return _tiled_experts(x, weights, ids, up_gate, down, first_expert)
     if impl == "capacity":
@@ -398,7 +403,41 @@ def _tiled_experts(x, weights, ids, up_gate, down, first_expert) -> jax.Array:
     return _combine(ys, weights)
 
 
-def moe(x: jax.Array, w: dict, cfg: ErnieConfig, batch_invariant: bool = False) -> tuple[jax.Array, jax.Array]:
+SORTED_TILE_ROWS = 128  # rows per tile of the sorted-tiles form
+
+
+def _sorted_tile_experts(x, weights, ids, up_gate, down, first_expert) -> jax.Array:
+    """Routed experts as one batched matmul over row tiles: the assignments sorted by expert, each expert's
+    rows padded to whole tiles of SORTED_TILE_ROWS, and each tile multiplied by its own expert's weights
+    (gathered per tile). Static shapes whatever the routing (at most one tile of padding per expert, where the
+    capacity form pads every expert to the largest load), and differentiable: the form training takes."""
+    T, k = ids.shape
+    local, BT = _num_local(up_gate), SORTED_TILE_ROWS
+    up_gate, down = (jnp.concatenate(w) if isinstance(w, tuple) else w for w in (up_gate, down))
+    e, mine = _local_assignments(ids, first_expert, local)
+    key = jnp.where(mine, e, local)  # other devices' experts sort last and are not computed
+    sizes = jnp.bincount(key, length=local + 1)[:local]
+    padded = (sizes + BT - 1) // BT * BT
+    ends = jnp.cumsum(padded)
+    order = jnp.argsort(key, stable=True)  # assignment index at each sorted position
+    sorted_key = key[order]
+    rank = jnp.arange(T * k) - (jnp.cumsum(sizes) - sizes)[jnp.minimum(sorted_key, local - 1)]
+    tiles = T * k // BT + local  # enough for any routing: sum(ceil(size / BT)) <= T*k/BT + E_local
+    row = jnp.where(sorted_key < local, (ends - padded)[jnp.minimum(sorted_key, local - 1)] + rank, tiles * BT)
+    src = jnp.full((tiles * BT + 1,), T, jnp.int32).at[row].set((order // k).astype(jnp.int32))[:-1]
+    xs = jnp.take(x, src, axis=0, mode="fill", fill_value=0).reshape(tiles, BT, -1)
+    tile_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(tiles) * BT, side="right"), local - 1)
+    u = jnp.einsum("nrh,nhf->nrf", xs, up_gate[tile_expert].astype(x.dtype), preferred_element_type=jnp.float32)
+    a = silu_mul(*jnp.split(u.astype(x.dtype), 2, axis=-1))
+    ys = jnp.einsum("nrf,nfh->nrh", a, down[tile_expert].astype(x.dtype), preferred_element_type=jnp.float32)
+    ys = ys.astype(x.dtype).reshape(tiles * BT, -1)
+    at = jnp.zeros((T * k,), jnp.int32).at[order].set(row.astype(jnp.int32))  # each assignment's row
+    ys = jnp.take(ys, at, axis=0, mode="fill", fill_value=0)  # other devices' experts read past the end: 0
+    return _combine(ys, weights)
+
+
+def moe(x: jax.Array, w: dict, cfg: ErnieConfig, batch_invariant: bool = False, expert_impl: str = "auto"
+        ) -> tuple[jax.Array, jax.Array]:
     """Dropless MoE block: every (token, expert) assignment is computed, none is capped or dropped.
 
     x [B,T,H] -> (y [B,T,H], expert ids [B*T,k])
@@ -406,7 +445,7 @@ def moe(x: jax.Array, w: dict, cfg: ErnieConfig, batch_invariant: bool = False) 
     x2 = x.reshape(-1, x.shape[-1])
     weights, ids = route(x2, w["router"], w["router_bias"], cfg)
     y = routed_experts(x2, weights, ids, w["experts_up_gate"], w["experts_down"], cfg.moe_num_experts,
-                       batch_invariant=batch_invariant)
+                       batch_invariant=batch_invariant, impl=expert_impl)
     return (y + shared_experts(x2, w)).reshape(x.shape), ids
 
 

@@ -43,9 +43,10 @@ def _my_rows(a: jax.Array, axes: tuple[str, ...], plan: ShardingPlan) -> jax.Arr
     return lax.dynamic_slice_in_dim(a, axis_linear_index(axes) * rows, rows, axis=0)
 
 
-def moe_ep(x: jax.Array, w: dict, cfg: ErnieConfig, plan: ShardingPlan, batch_invariant: bool = False
-           ) -> tuple[jax.Array, jax.Array]:
-    """x [B,T,H] (batch sharded per the rules) -> (y [B,T,H], expert ids [B*T,k])."""
+def moe_ep(x: jax.Array, w: dict, cfg: ErnieConfig, plan: ShardingPlan, batch_invariant: bool = False,
+           expert_impl: str = "auto") -> tuple[jax.Array, jax.Array]:
+    """x [B,T,H] (batch sharded per the rules) -> (y [B,T,H], expert ids [B*T,k]).
+    expert_impl: the local experts' formulation under the psum dispatch (layers.routed_experts)."""
     expert_axes = plan.axes_of("experts")
     batch_axes = tuple(a for a in plan.axes_of("batch") if plan.size_of((a,)) > 1)
     n = plan.size_of(expert_axes)
@@ -71,7 +72,7 @@ def moe_ep(x: jax.Array, w: dict, cfg: ErnieConfig, plan: ShardingPlan, batch_in
             y = _all_to_all_experts(x2, weights, ids, up_gate, down, expert_axes, n)
         else:
             y = routed_experts(x2, weights, ids, up_gate, down, cfg.moe_num_experts,
-                               axis_linear_index(expert_axes) * local, batch_invariant)
+                               axis_linear_index(expert_axes) * local, batch_invariant, expert_impl)
         y = y.reshape(b, t, h)
         ids = ids.reshape(b, t, -1)
         if not a2a and reduce:  # a2a: y is already the whole sum, the same on every device
