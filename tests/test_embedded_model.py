@@ -120,7 +120,7 @@ def test_llm_chat_generates_text():
     assert out.prompt == "<|begin_of_sentence|>User: 你好\nAssistant: "
     assert out.prompt_token_ids == tok.encode_chat(messages) and out.prompt_token_ids[0] == tok.token_id(
         "<|begin_of_sentence|>")
-    assert not any(tok.sp.is_byte(i) for i in out.prompt_token_ids)  # 你 and 好 are pieces, not UTF-8 bytes
+    assert not any(tok.sp.is_byte(i) for i in tok.encode("你好"))  # 你 and 好 are pieces, not UTF-8 bytes
     gen = out.outputs[0]
     assert 1 <= len(gen.token_ids) <= 8 and gen.text and gen.text == tok.decode(gen.token_ids)
     assert any("\u4e00" <= ch <= "\u9fff" for ch in gen.text)  # a Chinese prompt gets Chinese characters back
