@@ -134,7 +134,8 @@ def forward(weights: dict[str, Any], cfg: ErnieConfig, input_ids: jax.Array, pos
     `logit_positions` [B]: compute logits only at these token indices (e.g. the last prompt token).
     `plan`: run sharded on plan.mesh (weights and cache placed by the same plan); None runs unsharded.
     `batch_invariant`: a row's result must not depend on the other rows (layers.routed_experts).
-    `expert_impl`: the routed-expert formulation of an unsharded model (layers.routed_experts; "auto" picks).
+    `expert_impl`: the routed-expert formulation (layers.routed_experts; "auto" picks), unsharded and for the
+    local experts under the psum expert-parallel dispatch.
     A segment's weights are either stacked [L, ...] (one lax.scan) or a list of per-layer pytrees
     (weights.cpu_layout; the layers are unrolled)."""
     B, T = input_ids.shape
