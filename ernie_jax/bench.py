@@ -99,7 +99,7 @@ def offline(args) -> int:
     wall = float(np.median(walls))
     print(f"model {args.model}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.moe_num_experts} "
           f"experts top-{cfg.moe_k}, vocab {cfg.vocab_size}; {args.dtype}; engine start-up {startup:.1f}s")
-    print("compile report: " + ", ".join(f"{name} {b}: {s:.2f}s" for name, b, s in llm.engine.compile_report))
+    print("compile report: " + ", ".join(f"{name} {b}: {s:.2f}s" for name, b, s in llm.engine.compile_report.programs))
     print(f"{args.repeats} runs per stack; wall s and tok/s are medians")
     print("| stack | requests | output tokens | wall s | output tok/s | TTFT | TPOT |")
     print("|---|---|---|---|---|---|---|")

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype)
     cfg = llm.model.config
-    report = llm.engine.compile_report
+    report = llm.engine.compile_report.programs
     print(f"loaded {args.model}: {cfg.num_hidden_layers} layers ({cfg.num_moe_layers} MoE, "
           f"{cfg.moe_num_experts} experts top-{cfg.moe_k}), hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
           f"{args.dtype}; engine ready in {time.perf_counter() - t0:.1f}s ({len(report)} programs compiled in "

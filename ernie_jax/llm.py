@@ -44,6 +44,8 @@ class LLM:
     compilation_cache_dir: JAX's persistent compilation cache (None: off; an already configured one wins).
     batch_invariant: decode at one batch shape, so a request's tokens never depend on its batch (Engine).
     background_compile: return when one bucket per program is compiled; the rest compile behind (Engine).
+    kernels: "auto" (the Pallas kernels where the device supports them and they pass their start-up
+    self-check), "pallas" (force them; interpreted off GPUs) or "xla" (none); see ops/execution.py.
     """
 
     def __init__(self, model: str | ErnieForCausalLM, *, dtype: str = "bfloat16", seed: int = 0,
@@ -52,7 +54,7 @@ class LLM:
                  prefill_devices: int | None = None, disaggregate: bool = True, sharding: str = "tp_ep",
                  page_size: int = 16, num_pages: int | None = None, prefill_chunk: int = 512,
                  compilation_cache_dir: str | None = "~/.cache/ernie_jax/xla", batch_invariant: bool = False,
-                 background_compile: bool = False):
+                 background_compile: bool = False, kernels: str = "auto"):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
         jdtype = _DTYPES[dtype]
@@ -86,7 +88,7 @@ class LLM:
         if self.tokenizer is not None:
             eos.update(self.tokenizer.eos_token_ids)
         decode_model, prefill_model = self._place(cfg, given, weights, jdtype, mesh, prefill_devices, disaggregate,
-                                                  sharding)
+                                                  sharding, kernels)
         self.model = decode_model  # the decode-side model (on the decode submesh under PD)
         self.engine = Engine(decode_model, prefill_model=prefill_model, max_num_seqs=max_num_seqs,
                              max_model_len=self.max_model_len, page_size=page_size, num_pages=num_pages,
@@ -99,14 +101,21 @@ class LLM:
         return self.engine.eos_token_ids
 
     @staticmethod
-    def _place(cfg, given, weights, dtype, mesh, prefill_devices, disaggregate, sharding):
-        """(decode model, prefill model or None) from a built model (`given`) or host weights."""
+    def _place(cfg, given, weights, dtype, mesh, prefill_devices, disaggregate, sharding, kernels):
+        """(decode model, prefill model or None) from a built model (`given`, whose execution config is kept
+        unless `kernels` asks for a choice) or host weights."""
+        execution = None
         if given is not None:
             weights, dtype = given.weights(), given.dtype
+            execution = given.execution if kernels == "auto" else None
+            if mesh is None and execution is not None:
+                return given, None
         if mesh is None:
-            return given if given is not None else ErnieForCausalLM.from_host(cfg, weights, dtype), None
+            return ErnieForCausalLM.from_host(cfg, weights, dtype, None, execution, kernels), None
         from ernie_jax.sharding import ShardingPlan, make_mesh
-        place = lambda m: ErnieForCausalLM.from_host(cfg, weights, dtype, ShardingPlan.create(m, sharding))  # noqa: E731
+
+        def place(m):
+            return ErnieForCausalLM.from_host(cfg, weights, dtype, ShardingPlan.create(m, sharding), execution, kernels)
         full = make_mesh(mesh)
         devices = list(full.devices.flat)
         if not disaggregate:

@@ -1,16 +1,19 @@
-"""Memory plan: compile the real prefill and decode programs of a config from abstract shapes.
+"""Memory plan: compile the engine's own paged prefill and decode programs of a config from abstract shapes.
 
     python -m ernie_jax.plan --model ernie-4.5-300b-a47b --quantization fp8 --mesh 8 \\
         [--prefill-devices 4 --decode-devices 4] [--max-num-seqs 32 --max-model-len 32768] [--json]
 
-Nothing is allocated: weights, KV cache and inputs are ShapeDtypeStructs carrying their shardings, on as
-many fake CPU devices as the mesh needs (set up before JAX starts). For each program it reports per-device
-bytes of weights and KV cache (exact, from the shardings), temporaries (XLA:CPU's figure, shown but not
-trusted: XLA:CPU upcasts bf16 dot operands and decomposes ragged_dot densely, so its temporaries do not
-predict a GPU's, ANCHORS P10), the compile time, and whether weights + KV fit an H200 (141 GB) and an
-H100 (80 GB).
-Programs: prefill = one sequence of `--prefill-tokens` tokens written into its KV cache; decode = one
-token for each of `--max-num-seqs` sequences over caches of `--max-model-len` slots.
+Nothing is allocated: weights (the MTP block included), the KV page pool and inputs are ShapeDtypeStructs
+carrying their shardings, on as many fake CPU devices as the mesh needs (set up before JAX starts). The
+programs are engine.programs.step_program, lowered by lower_step exactly as ModelPrograms lowers its
+buckets, with the execution config a GPU selects without kernels (the Pallas kernels are not
+partitioned by XLA:CPU): prefill = one chunk of `--prefill-tokens` tokens, decode = one token for each of
+`--max-num-seqs` sequences, over the pools the engine allocates (colocated: one pool of max_num_seqs x
+pages per sequence; PD: the decode pool that size and the prefill pool one prompt plus one chunk). Per
+device it reports weights and KV bytes (exact, from the shardings), temporaries (XLA:CPU's figure, shown
+but not trusted: XLA:CPU upcasts bf16 dot operands and decomposes ragged_dot densely, so its temporaries
+do not predict a GPU's, ANCHORS P10), the compile time, and how many tokens of KV fit per submesh on an
+H200 (141 GB) and an H100 (80 GB) once the weights are resident, at vLLM's default 0.9 memory utilisation.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import sys
 import time
 
 GPUS = {"H200": 141e9, "H100": 80e9}
+UTILIZATION = 0.9  # vLLM's default --gpu-memory-utilization
 
 
 def _setup_devices(n: int) -> None:
@@ -31,43 +35,47 @@ def _setup_devices(n: int) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def plan_program(cfg, devices, mesh_spec, *, quantization, kv_cache_dtype, batch, tokens, cache_len,
-                 rules="tp_ep") -> dict:
+def plan_program(cfg, devices, mesh_spec, *, quantization, kv_cache_dtype, batch, tokens, num_pages, page_size,
+                 max_pages, rules="tp_ep") -> dict:
     import jax
     import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from ernie_jax.model.forward import forward_cached_jit
+    from ernie_jax.engine.programs import lower_step, step_program
+    from ernie_jax.model.forward import rope_cache
     from ernie_jax.model.kv_cache import KV_CACHE_DTYPES, KVCache
     from ernie_jax.model.weights import abstract_weights
+    from ernie_jax.ops import ExecutionConfig, Platform
     from ernie_jax.sharding import ShardingPlan, abstract_device_bytes, make_mesh
 
     plan = ShardingPlan.create(make_mesh(mesh_spec, devices), rules)
+    ex = ExecutionConfig.select(Platform("gpu", (9, 0)), "xla")
+    replicated = NamedSharding(plan.mesh, P())
     weights = abstract_weights(cfg, jnp.bfloat16, quantization)
-    weights.pop("mtp", None)  # the MTP block is a separate (speculative) program
     w_shard = plan.shardings(weights)
     weights = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), weights, w_shard)
-    cache = jax.eval_shape(lambda: KVCache.create(cfg, batch, cache_len, KV_CACHE_DTYPES[kv_cache_dtype]))
+    w_bytes = abstract_device_bytes(weights, w_shard)  # the MTP block included: it is resident
+    weights.pop("mtp", None)  # the engine's programs do not read it (yet)
+    rope = jax.eval_shape(lambda: rope_cache(cfg, page_size * max_pages))
+    weights["rope_cache"] = jax.ShapeDtypeStruct(rope.shape, rope.dtype, sharding=replicated)
+    cache = jax.eval_shape(lambda: KVCache.create(cfg, num_pages, page_size, KV_CACHE_DTYPES[kv_cache_dtype]))
     c_shard = cache.shardings(plan)
     cache = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), cache, c_shard)
-    batch_sharding = plan.activation(("batch", None), (batch, tokens))
-    ids = jax.ShapeDtypeStruct((batch, tokens), jnp.int32, sharding=batch_sharding)
-    logit_pos = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=plan.activation(("batch",), (batch,)))
     t0 = time.perf_counter()
-    lowered = forward_cached_jit.trace(weights, cfg, ids, ids, cache, logit_pos, plan).lower()
-    compiled = lowered.compile()
+    jitted = step_program(cfg, plan, ex, jax.tree.map(lambda a: a.sharding, weights), c_shard, replicated)
+    compiled = lower_step(jitted, weights, cache, replicated, batch, tokens, max_pages, sampling=True).compile()
     seconds = time.perf_counter() - t0
     mem = compiled.memory_analysis()
-    w_bytes = abstract_device_bytes(weights, w_shard)
     kv_bytes = abstract_device_bytes(cache, c_shard)
     temp = int(getattr(mem, "temp_size_in_bytes", 0)) if mem is not None else 0
-    resident = w_bytes + kv_bytes
+    per_token = kv_bytes / (num_pages * page_size)
     return {"devices": len(plan.mesh.devices.flat), "mesh": dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape)),
-            "batch": batch, "tokens": tokens, "cache_len": cache_len, "weights_bytes": w_bytes,
-            "kv_cache_bytes": kv_bytes, "temp_bytes": temp, "resident_bytes": resident,
-            "compile_seconds": round(seconds, 2),
-            # Weights + KV are exact; XLA:CPU's temporaries are shown but do not decide the verdict.
-            "fits": {gpu: resident <= cap for gpu, cap in GPUS.items()},
-            "fits_with_cpu_temp": {gpu: resident + temp <= cap for gpu, cap in GPUS.items()}}
+            "batch": batch, "tokens": tokens, "kv_pages": num_pages, "page_size": page_size,
+            "weights_bytes": w_bytes, "kv_cache_bytes": kv_bytes, "temp_bytes": temp,
+            "resident_bytes": w_bytes + kv_bytes, "kv_bytes_per_token": per_token,
+            "compile_seconds": round(seconds, 2), "execution": ex.describe(),
+            "kv_tokens_fit": {gpu: max(0, int((UTILIZATION * cap - w_bytes) // per_token)) for gpu, cap in GPUS.items()},
+            "fits": {gpu: w_bytes + kv_bytes <= UTILIZATION * cap for gpu, cap in GPUS.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=32768)
     ap.add_argument("--prefill-tokens", type=int, default=None, help="default: min(max-model-len, 8192)")
     ap.add_argument("--sharding", default="tp_ep", help="rules preset")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV page")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -103,28 +112,34 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ErnieConfig.preset(args.model) if args.model.lower() in PRESETS else ErnieConfig.from_pretrained(args.model)
     devices = jax.devices()[:n]
     prefill_tokens = args.prefill_tokens or min(args.max_model_len, 8192)
-    common = dict(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, rules=args.sharding)
+    page = args.block_size
+    max_pages = -(-args.max_model_len // page)
+    decode_pool = args.max_num_seqs * max_pages + 1  # the engine's pool (Engine: num_pages default)
+    common = dict(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, rules=args.sharding,
+                  page_size=page, max_pages=max_pages)
     prefill_devs = devices[:p_dev]
     decode_devs = devices[p_dev:p_dev + d_dev] if disagg else devices
+    prefill_pool = max_pages + -(-prefill_tokens // page) + 1 if disagg else decode_pool
     report = {"model": args.model, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
               "disaggregated": disagg,
               "prefill": plan_program(cfg, prefill_devs, len(prefill_devs) if disagg else args.mesh, batch=1,
-                                      tokens=prefill_tokens, cache_len=args.max_model_len, **common),
+                                      tokens=prefill_tokens, num_pages=prefill_pool, **common),
               "decode": plan_program(cfg, decode_devs, len(decode_devs) if disagg else args.mesh,
-                                     batch=args.max_num_seqs, tokens=1, cache_len=args.max_model_len, **common)}
+                                     batch=args.max_num_seqs, tokens=1, num_pages=decode_pool, **common)}
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
     print(f"{args.model} ({args.quantization or 'bf16'} weights, {args.kv_cache_dtype} KV), "
-          f"{'disaggregated' if disagg else 'colocated'} on {n} devices")
-    print("| program | devices | weights GB | KV GB | weights+KV GB | temp GB (XLA:CPU) | compile s | H200 | H100 |")
+          f"{'disaggregated' if disagg else 'colocated'} on {n} devices; ops: {report['decode']['execution']}")
+    print("| program | devices | weights GB | KV pool GB | weights+KV GB | temp GB (XLA:CPU) | compile s | "
+          "KV tokens that fit, H200 | H100 |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name in ("prefill", "decode"):
         r = report[name]
-        print(f"| {name} (batch {r['batch']} x {r['tokens']} tok, cache {r['cache_len']}) | {r['devices']} | "
+        fit = r["kv_tokens_fit"]
+        print(f"| {name} ({r['batch']} x {r['tokens']} tok, {r['kv_pages']} pages) | {r['devices']} | "
               f"{r['weights_bytes'] / 1e9:.2f} | {r['kv_cache_bytes'] / 1e9:.2f} | {r['resident_bytes'] / 1e9:.2f} | "
-              f"{r['temp_bytes'] / 1e9:.2f} | {r['compile_seconds']} | {'fits' if r['fits']['H200'] else 'NO'} | "
-              f"{'fits' if r['fits']['H100'] else 'NO'} |")
+              f"{r['temp_bytes'] / 1e9:.2f} | {r['compile_seconds']} | {fit['H200']:,} | {fit['H100']:,} |")
     return 0
 
 

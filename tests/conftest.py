@@ -18,6 +18,57 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+# The default suite's time budget (a fresh clone's `make test` under 10 minutes on 2 cores with an empty XLA
+# cache): these cases run only under `make test-all` (-m ""). Each entry is a test and the parameter ids
+# that stay in the default suite (none: the whole test is slow); every other case of it is marked slow.
+SLOW_CASES: dict[str, tuple[str, ...]] = {
+    "test_sharding.py::test_all_to_all_dispatch_matches_unsharded": ("data=2,expert=2,tensor=2-tp_ep",),
+    "test_sharding.py::test_sharded_matches_unsharded": ("data=1,expert=8,tensor=1-shared",
+                                                         "data=2,expert=2,tensor=2-noshared"),
+    "test_sharding.py::test_other_presets": (),
+    "test_sharding.py::test_skewed_routing_drops_nothing_under_ep": ("all_to_all",),
+    "test_fp8.py::test_fp8_paddle_checkpoint_weight_only_matches_dequantized_reference": (),
+    "test_fp8.py::test_accuracy_report_bounds": (),
+    "test_fp8.py::test_fp8_kv_cache_dynamic_and_static_scales": (),
+    "test_engine.py::test_sharded_programs_never_copy_the_kv_pool": (),
+    "test_engine.py::test_greedy_matches_hf_in_every_mode": ("pd",),
+    "test_engine.py::test_fp8_kv_cache_same_in_pd_and_colocated": (),
+    "test_engine.py::test_cpu_decode_reads_bf16_weights_as_stored": (),
+    "test_engine.py::test_64_concurrent_requests_more_than_the_cache_holds": (),
+    "test_engine.py::test_greedy_matches_hf_with_tiled_prefill_experts": (),
+    "test_ops.py::test_sharded_programs_use_kernels_where_shards_allow": (),
+    "test_ops.py::test_sharded_fp8_linears_run_the_kernel_per_device": (),
+    "test_serve.py::test_64_concurrent_streams_equal_alone_runs": (),
+    "test_serve.py::test_full_queue_answers_429_and_keeps_serving": (),
+    "test_serve.py::test_echo_prompt_logprobs": (),
+    "test_parity.py::test_greedy_continuations_match_hf_generate": ("shared_untied-paddle",),
+    "test_parity.py::test_incremental_decode_through_kv_cache": ("shared_untied-paddle", "interval2_headdim-hf"),
+    "test_converters.py::test_paddle_to_jax_round_trip": (),
+    "test_expert_impls.py::test_cpu_paths_match_ragged_path": ("0-8-random-1", "2-2-skewed-2"),
+    "test_expert_impls.py::test_ragged_expert_parallel_matches": ("data=2,expert=2,tensor=2",),
+    "test_llm.py::test_batched_equals_alone_greedy": (),
+    "test_tokenizer.py::test_llm_chat_and_text_stream": (),
+    "test_multihost.py::test_two_processes_match_single_process": (),
+    "test_notebooks.py::test_notebook_runs": (),
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before the -m filter deselects by marker
+def pytest_collection_modifyitems(config, items):
+    kept = {}
+    for item in items:
+        key = f"{item.path.name}::{item.originalname}"
+        if key not in SLOW_CASES:
+            continue
+        case = item.callspec.id if hasattr(item, "callspec") else None
+        kept.setdefault(key, set()).add(case)
+        if case not in SLOW_CASES[key]:
+            item.add_marker(pytest.mark.slow)
+    for key, seen in kept.items():  # a misspelt id would silently move its case out of the default suite
+        missing = set(SLOW_CASES[key]) - seen
+        assert not missing, f"SLOW_CASES[{key!r}] keeps {sorted(missing)}, which are not cases of that test"
+
+
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 GOLDEN_MODELS = ["shared_untied", "noshared_tied", "interval2_headdim"]
 

@@ -46,21 +46,20 @@ def test_greedy_matches_hf_in_every_mode(golden, mode):
 def test_greedy_matches_hf_with_tiled_prefill_experts(golden, mode, monkeypatch):
     """With tiles of 2 rows, prefill steps take the tiled expert form (several tiles per expert, tiles running
     past their expert's rows, the experts split over the prefill submesh in pd mode): still HF's tokens."""
-    from ernie_jax.model import layers
-    monkeypatch.setattr(layers, "EXPERT_TILE_ROWS", 2)
-    traced, tiled = [], layers._tiled_experts
-    monkeypatch.setattr(layers, "_tiled_experts", lambda *a, **k: traced.append(1) or tiled(*a, **k))
-    jax.clear_caches()  # the form is chosen at trace time: a layer traced by an earlier test would be reused
-    try:
-        g = golden("shared_untied")
-        kw = dict(mesh=8, prefill_devices=4) if mode == "pd" else {}
-        engine_llm = LLM(golden_model(), **SMALL, **kw)
-        assert traced  # at start-up, by the prefill buckets
-        outs = engine_llm.generate(prompt_token_ids=g["greedy_prompt"].tolist(),
-                                   sampling_params=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-        assert [o.outputs[0].token_ids for o in outs] == g["greedy_tokens"].tolist()
-    finally:
-        jax.clear_caches()  # later tests trace with the default tiles
+    import dataclasses
+
+    from ernie_jax.ops import routed_experts
+    traced, tiled = [], routed_experts.tiled_experts
+    monkeypatch.setattr(routed_experts, "tiled_experts", lambda *a, **k: traced.append(1) or tiled(*a, **k))
+    g = golden("shared_untied")
+    kw = dict(mesh=8, prefill_devices=4) if mode == "pd" else {}
+    model = golden_model()
+    model.execution = dataclasses.replace(model.execution, expert_tile_rows=2)  # a new jit key: traced afresh
+    engine_llm = LLM(model, **SMALL, **kw)
+    assert traced  # at start-up, by the prefill buckets
+    outs = engine_llm.generate(prompt_token_ids=g["greedy_prompt"].tolist(),
+                               sampling_params=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == g["greedy_tokens"].tolist()
 
 
 def test_fp8_kv_cache_same_in_pd_and_colocated(golden):

@@ -1,4 +1,7 @@
-"""The grouped (ragged_dot) expert path that accelerators take, run on CPU: parity and sharded equality."""
+"""The grouped (ragged_dot) expert path that accelerators take, run on CPU: parity and sharded equality; the
+CPU expert forms against it."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -6,46 +9,41 @@ import numpy as np
 import pytest
 
 from ernie_jax import load_pretrained
-from ernie_jax.model import layers
-from ernie_jax.model.layers import expert_capacities
+from ernie_jax.ops.dense import swiglu
+from ernie_jax.ops.routed_experts import ExpertOptions, expert_capacities, routed_experts
 from ernie_jax.sharding import ShardingPlan, make_mesh
 from tests.conftest import GOLDEN
 
 
-@pytest.fixture
-def ragged():
-    jax.clear_caches()  # the choice is made at trace time
-    layers.EXPERT_IMPL = "ragged"
-    yield
-    layers.EXPERT_IMPL = "auto"
-    jax.clear_caches()
+def with_experts(model, implementation: str):
+    """model running its routed experts as `implementation` (the execution config is part of the jit key)."""
+    model.execution = dataclasses.replace(model.execution, routed_experts=implementation)
+    return model
 
 
 @pytest.mark.parametrize("name", ["shared_untied", "noshared_tied"])
-def test_ragged_path_matches_hf(golden, ragged, name):
+def test_ragged_path_matches_hf(golden, name):
     g = golden(name)
-    out = load_pretrained(GOLDEN / name / "paddle", dtype=jnp.float32).forward(g["input_ids"])
+    out = with_experts(load_pretrained(GOLDEN / name / "paddle", dtype=jnp.float32), "ragged").forward(g["input_ids"])
     assert np.abs(np.asarray(out.logits) - g["logits"]).max() < 1e-4
     ids = np.concatenate([np.sort(np.asarray(e), axis=-1) for e in out.expert_ids], axis=0)
     np.testing.assert_array_equal(ids, g["topk_experts"])
 
 
 @pytest.mark.parametrize("mesh", ["data=1,expert=8,tensor=1", "data=2,expert=2,tensor=2"])
-def test_ragged_expert_parallel_matches(golden, ragged, mesh):
+def test_ragged_expert_parallel_matches(golden, mesh):
     g = golden("shared_untied")
-    model = load_pretrained(GOLDEN / "shared_untied" / "paddle", dtype=jnp.float32)
+    model = with_experts(load_pretrained(GOLDEN / "shared_untied" / "paddle", dtype=jnp.float32), "ragged")
     sharded = model.shard(ShardingPlan.create(make_mesh(mesh)))
     assert np.abs(np.asarray(sharded(g["input_ids"])) - g["logits"]).max() < 1e-4
 
 
-def test_ragged_fp8_grouped_path_matches_capacity_path(golden, ragged):
+def test_ragged_fp8_grouped_path_matches_capacity_path(golden):
     g = golden("shared_untied")
     model = load_pretrained(GOLDEN / "shared_untied" / "paddle", dtype=jnp.float32, quantization="fp8",
                             fp8_compute="weight_only")
-    ragged_logits = np.asarray(model(g["input_ids"]))
-    layers.EXPERT_IMPL = "capacity"
-    jax.clear_caches()
-    capacity_ref = np.asarray(model(g["input_ids"]))
+    ragged_logits = np.asarray(with_experts(model, "ragged")(g["input_ids"]))
+    capacity_ref = np.asarray(with_experts(model, "capacity")(g["input_ids"]))
     assert np.abs(ragged_logits - capacity_ref).max() < 1e-4
 
 
@@ -59,12 +57,12 @@ def test_expert_capacities_cover_every_load():
 @pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("skew", [False, True], ids=["random", "skewed"])
 @pytest.mark.parametrize("first, local", [(0, 8), (2, 2), (6, 2)])
-def test_cpu_paths_match_ragged_path(skew, first, local, groups, monkeypatch):
+def test_cpu_paths_match_ragged_path(skew, first, local, groups):
     """The CPU capacity and tiled formulations against the grouped-matmul one, for all experts and for a
     device's slice of them (expert parallelism), with routing spread out and with every token on the same
     two experts (the largest capacity is taken: nothing is dropped; tiles run past their expert's rows),
     with the experts stacked and split in groups (weights.cpu_layout)."""
-    monkeypatch.setattr(layers, "EXPERT_TILE_ROWS", 4)  # several tiles per expert, and partial ones
+    opts = ExpertOptions(tile_rows=4, sorted_tile_rows=4)  # several tiles per expert, and partial ones
     T, H, F, E, k = 19, 32, 16, 8, 2
     key = jax.random.split(jax.random.key(0), 4)
     x = jax.random.normal(key[0], (T, H))
@@ -79,22 +77,18 @@ def test_cpu_paths_match_ragged_path(skew, first, local, groups, monkeypatch):
         n = local // groups
         ug, dn = (tuple(a[g * n:(g + 1) * n] for g in range(groups)) for a in (ug, dn))
     out = {}
-    for impl in ("capacity", "tiled", "ragged"):
-        layers.EXPERT_IMPL = impl
-        try:
-            out[impl] = np.asarray(jax.jit(lambda *a: layers.routed_experts(*a, E, first))(
-                x, w, ids, ug, dn))
-        finally:
-            layers.EXPERT_IMPL = "auto"
+    for impl in ("capacity", "tiled", "sorted_tiles", "ragged"):
+        out[impl] = np.asarray(jax.jit(lambda *a, _impl=impl: routed_experts(*a, E, first, implementation=_impl,
+                                                                             opts=opts))(x, w, ids, ug, dn))
     # reference: each assignment to a local expert, one at a time
     ref = np.zeros((T, H), np.float32)
     for t in range(T):
         for j in range(k):
             e = int(ids[t, j])
             if first <= e < first + local:
-                ref[t] += float(w[t, j]) * np.asarray(layers.swiglu(x[t:t + 1], up_gate[e], down[e]))[0]
+                ref[t] += float(w[t, j]) * np.asarray(swiglu(x[t:t + 1], up_gate[e], down[e]))[0]
     for impl, got in out.items():
         np.testing.assert_allclose(got, ref, atol=1e-5, err_msg=impl)
-    invariant = jax.jit(lambda *a: layers.routed_experts(*a, E, first, batch_invariant=True))(
+    invariant = jax.jit(lambda *a: routed_experts(*a, E, first, batch_invariant=True, implementation="capacity"))(
         x, w, ids, ug, dn)
     np.testing.assert_allclose(np.asarray(invariant), ref, atol=1e-5)

@@ -1,5 +1,6 @@
 """Sharded execution on 8 fake CPU devices: equality with the unsharded model, dropless EP, placement."""
 
+import dataclasses
 import functools
 
 import jax
@@ -53,28 +54,24 @@ def test_sharded_matches_unsharded(mesh, shared):
     assert np.abs(dec - ref_full).max() < 1e-5
 
 
-@pytest.fixture
-def all_to_all():
-    """Run the ragged all-to-all EP dispatch (the GPU/TPU default) on CPU, through its all-gather equivalent."""
-    from ernie_jax.sharding import expert_parallel
-    jax.clear_caches()  # the dispatch is chosen at trace time
-    expert_parallel.EP_DISPATCH = "all_to_all"
-    yield
-    expert_parallel.EP_DISPATCH = "auto"
-    jax.clear_caches()
+def dispatching(model, dispatch: str = "all_to_all"):
+    """model with the expert-parallel dispatch `dispatch` (all_to_all, the GPU/TPU default, runs on CPU
+    through its all-gather equivalent); the execution config is part of the jit key."""
+    model.execution = dataclasses.replace(model.execution, ep_dispatch=dispatch)
+    return model
 
 
 @pytest.mark.parametrize("preset", ["tp_ep", "dp_attn_ep"])
 @pytest.mark.parametrize("mesh", MESHES)
-def test_all_to_all_dispatch_matches_unsharded(all_to_all, mesh, preset):
+def test_all_to_all_dispatch_matches_unsharded(mesh, preset):
     """Odd token counts (T not a multiple of the expert group) in prefill and in one-token decode steps."""
     ids = np.random.default_rng(3).integers(3, 256, (2, 7)).astype(np.int32)
     ref, _ = run(tiny(1), ids)
-    full, dec = run(tiny(1).shard(ShardingPlan.create(make_mesh(mesh), preset)), ids)
+    full, dec = run(dispatching(tiny(1).shard(ShardingPlan.create(make_mesh(mesh), preset))), ids)
     assert np.abs(full - ref).max() < 1e-5 and np.abs(dec - ref).max() < 1e-5
 
 
-def test_all_to_all_worst_case_load_with_padding_tokens(all_to_all):
+def test_all_to_all_worst_case_load_with_padding_tokens():
     """7 tokens on 8 devices (one padding token) all routed to experts 0 and 1: device 0 receives a row from
     every token, the most its receive buffer is sized for (an overflow would turn the output into NaN)."""
     model = tiny(0)
@@ -82,7 +79,7 @@ def test_all_to_all_worst_case_load_with_padding_tokens(all_to_all):
     w["segments"][1]["router_bias"] = w["segments"][1]["router_bias"].at[:, :2].set(10.0)
     skewed = ErnieForCausalLM(model.config, w, dtype=jnp.float32)
     ids = np.random.default_rng(4).integers(3, 256, (1, 7)).astype(np.int32)
-    out = np.asarray(skewed.shard(ShardingPlan.create(make_mesh("data=1,expert=8,tensor=1")))(ids))
+    out = np.asarray(dispatching(skewed.shard(ShardingPlan.create(make_mesh("data=1,expert=8,tensor=1"))))(ids))
     assert np.abs(out - np.asarray(skewed(ids))).max() < 1e-5
 
 
@@ -96,9 +93,10 @@ def test_other_presets(preset):
 
 def dense_moe_reference(x, w, cfg):
     """Every expert on every token, weighted by a one-hot of the routing: no sorting, no grouping."""
-    from ernie_jax.model.layers import route, swiglu
+    from ernie_jax.ops.dense import swiglu
+    from ernie_jax.ops.routed_experts import route
     x2 = x.reshape(-1, x.shape[-1])
-    weights, ids = route(x2, w["router"], w["router_bias"], cfg)
+    weights, ids = route(x2, w["router"], w["router_bias"], cfg.moe_k, cfg.moe_norm_min)
     per_expert = jnp.stack([swiglu(x2, w["experts_up_gate"][e], w["experts_down"][e])
                             for e in range(cfg.moe_num_experts)], axis=1)  # [T,E,H]
     gate = jnp.zeros((x2.shape[0], cfg.moe_num_experts)).at[jnp.arange(x2.shape[0])[:, None], ids].add(weights)
@@ -106,12 +104,9 @@ def dense_moe_reference(x, w, cfg):
 
 
 @pytest.mark.parametrize("dispatch", ["replicated", "all_to_all"])
-def test_skewed_routing_drops_nothing_under_ep(monkeypatch, dispatch):
+def test_skewed_routing_drops_nothing_under_ep(dispatch):
     """Every token picks experts 0 and 1 (a huge correction bias): those two devices get all the work (with
     all-to-all, all 64 tokens' rows arrive at two devices)."""
-    from ernie_jax.sharding import expert_parallel
-    monkeypatch.setattr(expert_parallel, "EP_DISPATCH", dispatch)
-    jax.clear_caches()
     model = tiny(0)
     w = model.weights()
     seg = w["segments"][1]
@@ -119,11 +114,11 @@ def test_skewed_routing_drops_nothing_under_ep(monkeypatch, dispatch):
     cfg = model.config
     skewed = ErnieForCausalLM(cfg, w, dtype=jnp.float32)
     plan = ShardingPlan.create(make_mesh("data=1,expert=8,tensor=1"))
-    sharded = skewed.shard(plan)
+    sharded = dispatching(skewed.shard(plan), dispatch)
     x = jax.random.normal(jax.random.key(0), (4, 16, cfg.hidden_size))
     layer_w = jax.tree.map(lambda a: a[0], sharded.weights()["segments"][1])
     from ernie_jax.sharding.expert_parallel import moe_ep
-    y, ids = jax.jit(lambda x, w: moe_ep(x, w, cfg, plan))(x, layer_w)
+    y, ids = jax.jit(lambda x, w: moe_ep(x, w, cfg, plan, sharded.execution))(x, layer_w)
     assert set(np.unique(np.asarray(ids))) == {0, 1}
     ref, _ = dense_moe_reference(x, jax.tree.map(lambda a: a[0], seg), cfg)
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref), atol=1e-5)
@@ -236,7 +231,22 @@ def test_plan_cli_on_tiny(capsys):
     for name in ("prefill", "decode"):
         r = report[name]
         assert r["devices"] == 4 and r["weights_bytes"] > 0 and r["kv_cache_bytes"] > 0 and r["temp_bytes"] >= 0
-        assert r["fits"]["H200"] and r["compile_seconds"] > 0
+        assert r["fits"]["H200"] and r["compile_seconds"] > 0 and r["kv_tokens_fit"]["H100"] > 0
     cfg = ErnieConfig.preset("tiny")
-    kv_total = 2 * cfg.num_hidden_layers * 4 * 256 * cfg.num_key_value_heads * cfg.head_dim * 2
-    assert report["decode"]["kv_cache_bytes"] == kv_total  # 2 KV heads do not split 4 ways: replicated
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2  # K and V, bf16
+    # the engine's pools: decode 4 sequences x 16 pages + the null page; prefill one prompt + one chunk
+    assert report["decode"]["kv_pages"] == 65 and report["prefill"]["kv_pages"] == 16 + 16 + 1
+    assert report["decode"]["kv_cache_bytes"] == 65 * 16 * per_token  # 2 KV heads do not split 4 ways: replicated
+    assert report["decode"]["kv_tokens_fit"]["H200"] == int((0.9 * 141e9 - report["decode"]["weights_bytes"])
+                                                            // per_token)
+
+
+def test_one_device_mesh_is_the_unsharded_path():
+    """A one-device mesh places the model unsharded on that device (no plan: the unsharded layouts and
+    forms), with the same logits."""
+    model = tiny(1)
+    one = model.shard(ShardingPlan.create(make_mesh(1, jax.devices()[3:4])))
+    assert one.plan is None
+    assert {d.id for leaf in jax.tree.leaves(one.weights()) for d in leaf.devices()} == {3}
+    ids = np.random.default_rng(5).integers(3, 256, (1, 6)).astype(np.int32)
+    np.testing.assert_allclose(np.asarray(one(ids)), np.asarray(model(ids)), atol=1e-6)

@@ -67,7 +67,7 @@ def assemble(flat: dict[tuple, Any], cfg: ErnieConfig) -> dict[str, Any]:
 
 
 def load_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *, quantization: str | None = None,
-                    fp8_compute: str = "w8a8", mesh=None, sharding: str | dict = "tp_ep"):
+                    fp8_compute: str = "w8a8", mesh=None, sharding: str | dict = "tp_ep", kernels: str = "auto"):
     """Load an ERNIE-4.5 MoE checkpoint folder (Paddle release or HF layout, one file or sharded, or an
     ernie_jax Orbax checkpoint written by converters.paddle_to_jax).
 
@@ -78,15 +78,16 @@ def load_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *, quantization
     fp8_compute: numerics of the FP8 linears, "w8a8" (default, FastDeploy's) or "weight_only" (see quant.py).
     mesh: a jax Mesh, or a spec for sharding.make_mesh (8, "data=1,expert=4,tensor=2"); each tensor then goes
     from host memory straight to its shards under the `sharding` rules (a preset name or a rules table).
+    kernels: "auto" | "pallas" | "xla", how the ops' implementations are chosen (ops/execution.py).
     """
     from ernie_jax.model.ernie import ErnieForCausalLM
 
     cfg, weights = read_pretrained(path, dtype, quantization=quantization, fp8_compute=fp8_compute)
     if mesh is None:
-        return ErnieForCausalLM.from_host(cfg, weights, dtype)
+        return ErnieForCausalLM.from_host(cfg, weights, dtype, kernels=kernels)
     from ernie_jax.sharding import ShardingPlan, make_mesh
     mesh = mesh if isinstance(mesh, Mesh) else make_mesh(mesh)
-    return ErnieForCausalLM.from_host(cfg, weights, dtype, ShardingPlan.create(mesh, sharding))
+    return ErnieForCausalLM.from_host(cfg, weights, dtype, ShardingPlan.create(mesh, sharding), kernels=kernels)
 
 
 def read_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *, quantization: str | None = None,

@@ -31,6 +31,7 @@ from ernie_jax.engine.pages import PageAllocator
 from ernie_jax.engine.programs import (ModelPrograms, PageTransfer, buckets, decode_buckets, min_decode_rows,
                                        plain_sampling, prefill_shapes)
 from ernie_jax.model.ernie import ErnieForCausalLM
+from ernie_jax.ops.base import FALLBACKS
 from ernie_jax.sampling import SamplingParams
 from ernie_jax.tokenizer import IncrementalDetokenizer
 
@@ -98,6 +99,11 @@ def _logprob_entry(token: int, logprob, top_ids, top_lps, n: int) -> dict[str, A
     """One token's logprob with its top-n alternatives, as outputs carry them."""
     return {"token": int(token), "logprob": float(logprob),
             "top": list(zip(map(int, top_ids[:n]), map(float, top_lps[:n])))}
+
+
+class CompileReport(NamedTuple):
+    programs: list[tuple[str, Any, float]]  # (program, bucket, compile seconds)
+    ops: list[dict[str, str]]  # {"op", "implementation", "passed_over", "layout_fallbacks"}
 
 
 class Engine:
@@ -173,8 +179,15 @@ class Engine:
         return self.transfer is not None
 
     @property
-    def compile_report(self) -> list[tuple[str, int, float]]:
-        return self.decoder.report + (self.prefiller.report if self.disaggregated else [])
+    def compile_report(self) -> "CompileReport":
+        """The compiled programs (name, bucket, seconds) and, per op, the implementation the programs run and
+        why preferred ones were not used (ops/execution.py; layout fallbacks met while tracing included)."""
+        programs = self.decoder.report + (self.prefiller.report if self.disaggregated else [])
+        ops = self.decoder.execution.report()
+        for entry in ops:
+            entry["layout_fallbacks"] = "; ".join(f"{impl} -> xla for {why}" for op, impl, why in FALLBACKS
+                                                  if op == entry["op"])
+        return CompileReport(programs, ops)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:

@@ -30,15 +30,16 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from ernie_jax.model.ernie import ErnieForCausalLM
 from ernie_jax.model.forward import forward, rope_cache
-from ernie_jax.model.kv_cache import BF16_BITS, KV_CACHE_DTYPES, KVCache
+from ernie_jax.model.kv_cache import KV_CACHE_DTYPES, KVCache
 from ernie_jax.model.weights import QUANTIZABLE, cpu_layout
+from ernie_jax.ops.paged_attention.storage import pool_dtype
 from ernie_jax.quant import BlockFP8
 from ernie_jax.sampling import MAX_LOGPROBS, sample
 
 log = logging.getLogger("ernie_jax.engine")
 
 
-def _step(weights, input_ids, positions, cache, logit_positions, block_tables, sampling, *, cfg, plan,
+def _step(weights, input_ids, positions, cache, logit_positions, block_tables, sampling, *, cfg, plan, ex,
           batch_invariant):
     """-> (logits [B,V] at logit_positions, cache, expert token counts [L_moe,E], sampled).
 
@@ -46,7 +47,7 @@ def _step(weights, input_ids, positions, cache, logit_positions, block_tables, s
     them without min-p, penalties or logprob alternatives: most batches need nothing more (plain_sampling),
     and sampling inside the step saves launching a second program per step. Other batches sample the
     returned logits."""
-    out = forward(weights, cfg, input_ids, positions, cache, logit_positions, plan, block_tables, batch_invariant)
+    out = forward(weights, cfg, input_ids, positions, cache, logit_positions, plan, block_tables, batch_invariant, ex)
     counts = _expert_counts(out.expert_ids, logit_positions, input_ids.shape, cfg)
     return out.logits, out.cache, counts, sample(out.logits, *sampling)
 
@@ -59,12 +60,12 @@ def plain_sampling(arrays: dict[str, Any], num_logprobs: int) -> bool:
     return arrays["min_p"] is None and arrays["penalties"] is None and num_logprobs == 0
 
 
-def _score_step(weights, input_ids, positions, cache, logit_positions, block_tables, targets, *, cfg, plan,
+def _score_step(weights, input_ids, positions, cache, logit_positions, block_tables, targets, *, cfg, plan, ex,
                 batch_invariant, num_top):
     """Prefill that also scores the chunk: the logprob of targets[b,t] (the next prompt token) after each
     position, with the top `num_top` alternatives -- prompt logprobs, what `echo` + `logprobs` return."""
     B, T = input_ids.shape
-    out = forward(weights, cfg, input_ids, positions, cache, None, plan, block_tables, batch_invariant)
+    out = forward(weights, cfg, input_ids, positions, cache, None, plan, block_tables, batch_invariant, ex)
     logprobs = jax.nn.log_softmax(out.logits, axis=-1)  # [B,T,V]
     target_lp = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
     top_lp, top_ids = lax.top_k(logprobs, num_top)
@@ -154,12 +155,35 @@ def compile_all(jobs: dict[Any, Callable[[], Any]], on_done: Callable[[Any, Any,
             on_done(futures[f], *f.result())
 
 
+def step_program(cfg, plan, ex, weight_shardings, cache_shardings, replicated, batch_invariant: bool = False,
+                 score: bool = False):
+    """The jitted step (_step, or _score_step when `score`) with explicit shardings and the cache donated:
+    what every ModelPrograms bucket compiles, and what `python -m ernie_jax.plan` compiles from shapes."""
+    static = dict(cfg=cfg, plan=plan, ex=ex, batch_invariant=batch_invariant)
+    fn = functools.partial(_score_step, **static, num_top=MAX_LOGPROBS) if score else functools.partial(_step, **static)
+    rep = replicated
+    return jax.jit(fn, donate_argnums=(3,), in_shardings=(weight_shardings, rep, rep, cache_shardings, rep, rep, rep),
+                   out_shardings=(rep, cache_shardings, rep, rep))
+
+
+def lower_step(jitted, weights, cache, replicated, B: int, T: int, max_pages: int, extra: tuple = (),
+               sampling: bool = False):
+    """Lower a step_program for B rows of T tokens from abstract weights and cache (ShapeDtypeStructs with
+    shardings). extra: shapes of further int32 inputs (the scoring prefill's targets)."""
+    spec = lambda dtype, *shape: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)  # noqa: E731
+    i32 = functools.partial(spec, jnp.int32)
+    args = [i32(*shape) for shape in extra]
+    if sampling:  # SAMPLING_ARGS
+        args.append((spec(jnp.float32, B), spec(jnp.float32, B), i32(B), spec(jnp.uint32, B), i32(B)))
+    return jitted.lower(weights, i32(B, T), i32(B, T), cache, i32(B), i32(B, max_pages), *args)
+
+
 class ModelPrograms:
     def __init__(self, model: ErnieForCausalLM, *, num_pages: int, page_size: int, max_pages_per_seq: int,
                  kv_cache_dtype: str, prefill_buckets: list[tuple[int, int]], decode_buckets: list[int], name: str,
                  batch_invariant: bool = False):
         """prefill_buckets: (B, T) shapes, with (1, T) for every chunk length T; decode_buckets: batch sizes."""
-        self.cfg, self.plan, self.name = model.config, model.plan, name
+        self.cfg, self.plan, self.name, self.execution = model.config, model.plan, name, model.execution
         self.weights = model.weights()
         if platform(model) == "cpu":
             groups = cpu_expert_groups(self.cfg.moe_num_experts) if self.plan is None else 1
@@ -173,23 +197,16 @@ class ModelPrograms:
             self.replicated = SingleDeviceSharding(self.devices[0])
         self.weights["rope_cache"] = jax.device_put(rope_cache(self.cfg, page_size * max_pages_per_seq),
                                                     self.replicated)
-        dtype = KV_CACHE_DTYPES[kv_cache_dtype] or model.dtype
-        if dtype == jnp.bfloat16 and self.devices[0].platform == "cpu":
-            dtype = BF16_BITS  # kv_cache.py says why
+        dtype = pool_dtype(KV_CACHE_DTYPES[kv_cache_dtype] or model.dtype, self.execution.kv_bf16_bits)
         cache = KVCache.create(self.cfg, num_pages, page_size, dtype)
         self.cache_shardings = cache.shardings(self.plan) if self.plan is not None else \
             jax.tree.map(lambda _: self.replicated, cache)
         self.cache = jax.device_put(cache, self.cache_shardings)
         self.report: list[tuple[str, int, float]] = []
         w_shardings = jax.tree.map(lambda a: a.sharding, self.weights)
-        rep = self.replicated
-        ins = (w_shardings, rep, rep, self.cache_shardings, rep, rep)
-        static = dict(cfg=self.cfg, plan=self.plan, batch_invariant=batch_invariant)
-        self._jit = jax.jit(functools.partial(_step, **static), donate_argnums=(3,),
-                            in_shardings=ins + (rep,), out_shardings=(rep, self.cache_shardings, rep, rep))
-        self._score_jit = jax.jit(functools.partial(_score_step, **static, num_top=MAX_LOGPROBS),
-                                  donate_argnums=(3,), in_shardings=ins + (rep,),
-                                  out_shardings=(rep, self.cache_shardings, rep, rep))
+        build = functools.partial(step_program, self.cfg, self.plan, self.execution, w_shardings,
+                                  self.cache_shardings, self.replicated, batch_invariant)
+        self._jit, self._score_jit = build(), build(score=True)
         self._score: dict[int, Any] = {}  # scoring prefill per chunk length, compiled on first use
         self._programs: dict[tuple[str, int], Any] = {}
         self.ready: dict[str, list] = {"prefill": [], "decode": []}  # compiled buckets, ascending
@@ -238,14 +255,9 @@ class ModelPrograms:
         return [exe for (k, _), exe in self._programs.items() if k == kind]
 
     def _lower(self, jitted, B: int, T: int, extra: tuple = (), sampling: bool = False):
-        spec = lambda dtype, *shape: jax.ShapeDtypeStruct(shape, dtype, sharding=self.replicated)  # noqa: E731
-        i32 = functools.partial(spec, jnp.int32)
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                                 (self.weights, self.cache))
-        args = [i32(*shape) for shape in extra]
-        if sampling:  # SAMPLING_ARGS
-            args.append((spec(jnp.float32, B), spec(jnp.float32, B), i32(B), spec(jnp.uint32, B), i32(B)))
-        return jitted.lower(abstract[0], i32(B, T), i32(B, T), abstract[1], i32(B), i32(B, self.max_pages), *args)
+        return lower_step(jitted, *abstract, self.replicated, B, T, self.max_pages, extra, sampling)
 
     def put(self, x):
         """Explicit host -> device copy onto this mesh (replicated); a pytree goes in one call."""

@@ -13,11 +13,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ernie_jax import pallas as kernels
+from ernie_jax import ops
 from ernie_jax.config import ErnieConfig
 from ernie_jax.model import forward as fwd
 from ernie_jax.model.kv_cache import KV_CACHE_DTYPES, KVCache
 from ernie_jax.model.weights import init_weights
+from ernie_jax.ops.execution import ExecutionConfig
+from ernie_jax.ops.selfcheck import execution_for
 
 
 def _to_nnx(tree):
@@ -45,12 +47,15 @@ class ErnieForCausalLM(nnx.Module):
     """
 
     def __init__(self, config: ErnieConfig, weights: dict[str, Any] | None = None, *, dtype=jnp.bfloat16,
-                 rngs: nnx.Rngs | None = None):
+                 rngs: nnx.Rngs | None = None, execution: ExecutionConfig | None = None):
+        """execution: which implementation each op runs (ops/execution.py); default: chosen for the default
+        device (kernels self-checked there). Part of every compiled program's cache key."""
         if weights is None:
             seed = int(jax.random.key_data(rngs.params()).ravel()[-1]) if rngs is not None else 0
             weights = init_weights(config, seed, dtype)
         self.config = config
         self.plan = None  # a ShardingPlan once placed on a mesh (see shard())
+        self.execution = execution or execution_for(jax.devices()[0])
         self.embed = nnx.Param(weights["embed"])
         self.segments = _to_nnx(weights["segments"])
         self.final_norm = nnx.Param(weights["final_norm"])
@@ -75,11 +80,12 @@ class ErnieForCausalLM(nnx.Module):
         block_tables [B,n]: the pages of each row in a paged cache (default: row b owns page b)."""
         input_ids = jnp.asarray(input_ids, jnp.int32)
         if cache is None:
-            return fwd.forward_jit(self.weights(), self.config, input_ids, positions, logit_positions, self.plan)
+            return fwd.forward_jit(self.weights(), self.config, input_ids, positions, logit_positions, self.plan,
+                                   self.execution)
         if positions is None:
             raise ValueError("forward with a cache needs explicit positions [B,T]")
         return fwd.forward_cached_jit(self.weights(), self.config, input_ids, jnp.asarray(positions, jnp.int32),
-                                      cache, logit_positions, self.plan, block_tables)
+                                      cache, logit_positions, self.plan, block_tables, self.execution)
 
     def init_cache(self, batch: int, max_len: int, kv_cache_dtype: str = "auto") -> KVCache:
         """kv_cache_dtype: "auto" (the model dtype), "bfloat16", "float32" or "fp8" (see kv_cache.py).
@@ -96,19 +102,25 @@ class ErnieForCausalLM(nnx.Module):
 
     def shard(self, plan) -> "ErnieForCausalLM":
         """This model with every weight placed on plan.mesh by plan's rules (a new module; self unchanged)."""
-        return ErnieForCausalLM.from_host(self.config, self.weights(), self.dtype, plan)
+        return ErnieForCausalLM.from_host(self.config, self.weights(), self.dtype, plan, self.execution)
 
     @classmethod
-    def from_host(cls, config: ErnieConfig, weights: dict[str, Any], dtype, plan=None) -> "ErnieForCausalLM":
+    def from_host(cls, config: ErnieConfig, weights: dict[str, Any], dtype, plan=None,
+                  execution: ExecutionConfig | None = None, kernels: str = "auto") -> "ErnieForCausalLM":
         """A model whose weights (host arrays or device arrays) go onto the default device (plan None) or
-        onto plan.mesh by plan's rules, each tensor straight onto its shards (sharding.placement). When the
-        Pallas kernels are in use, block-FP8 matrices are stored K-major, as their FP8 MMAs read them."""
-        if kernels.use_kernels():
-            weights = kernels.kernel_layout(weights)
-        if plan is None:
-            return cls(config, jax.tree.map(jnp.asarray, weights), dtype=dtype)
+        onto plan.mesh by plan's rules, each tensor straight onto its shards (sharding.placement).
+        execution: the ops' implementations (default: chosen for the target devices with `kernels`,
+        "auto" | "pallas" | "xla"). When FP8 kernels are in use, block-FP8 matrices are stored K-major, as
+        their MMAs read them."""
+        device = jax.devices()[0] if plan is None else plan.mesh.devices.flat[0]
+        execution = execution or execution_for(device, kernels)
+        if execution.kernel_layout:
+            weights = ops.kernel_layout(weights)
+        if plan is None or plan.mesh.size == 1:  # one device is the unsharded path, with its layouts and forms
+            weights = jax.tree.map(lambda a: jax.device_put(a, device), weights)
+            return cls(config, weights, dtype=dtype, execution=execution)
         from ernie_jax.sharding.placement import shard_weights
-        model = cls(config, shard_weights(weights, plan), dtype=dtype)
+        model = cls(config, shard_weights(weights, plan), dtype=dtype, execution=execution)
         model.plan = plan
         return model
 
@@ -120,4 +132,5 @@ class ErnieForCausalLM(nnx.Module):
         out = self.forward(input_ids)
         B, T = input_ids.shape
         positions = jnp.broadcast_to(jnp.arange(T - 1, dtype=jnp.int32), (B, T - 1))
-        return fwd.mtp_forward_jit(self.weights(), self.config, input_ids[:, 1:], out.hidden[:, :-1], positions)
+        return fwd.mtp_forward_jit(self.weights(), self.config, input_ids[:, 1:], out.hidden[:, :-1], positions,
+                                   self.execution)

@@ -15,13 +15,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ernie_jax import pallas as kernels
 from ernie_jax.config import ErnieConfig
 from ernie_jax.model import kv_cache as kvc
-from ernie_jax.model.layers import (attention, linear, moe, paged_attention_blocks, rms_norm, rope, rope_table,
-                                    swiglu)
-from ernie_jax.sharding.attention import paged_attention_sharded
-from ernie_jax.sharding.expert_parallel import moe_ep
+from ernie_jax.model.layers import attention, linear, moe, paged_attention, rms_norm, rope, rope_table, swiglu
+from ernie_jax.ops.execution import REFERENCE, ExecutionConfig
 from ernie_jax.sharding.rules import HIDDEN, KV_HEADS, Q_HEADS, ShardingPlan
 
 
@@ -57,12 +54,12 @@ def rotary_table(cfg: ErnieConfig, positions: jax.Array, cache: jax.Array | None
 
 
 def attention_block(x, w, cfg: ErnieConfig, positions, seg_cache=None, layer=None, block_tables=None, plan=None,
-                    rotary=None):
+                    rotary=None, ex: ExecutionConfig = REFERENCE):
     """x [B,T,H] -> ([B,T,H], the segment's cache with this layer's new slots written, or None).
     rotary: rotary_table(cfg, positions), when the caller shares one table between layers."""
     B, T, _ = x.shape
     rotary = rotary_table(cfg, positions) if rotary is None else rotary
-    qkv = linear(x, w["qkv"], plan, "qkv")
+    qkv = linear(x, w["qkv"], ex, plan, "qkv")
     q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
     q = rope(q.reshape(B, T, cfg.num_attention_heads, cfg.head_dim), rotary)
     k = rope(k.reshape(B, T, cfg.num_key_value_heads, cfg.head_dim), rotary)
@@ -72,49 +69,31 @@ def attention_block(x, w, cfg: ErnieConfig, positions, seg_cache=None, layer=Non
         out = attention(q, k, v, positions, positions)
     else:
         seg_cache = kvc.write(seg_cache, layer, k, v, positions, block_tables, (w.get("k_scale"), w.get("v_scale")))
-        # The paged kernel reads the pages in place (prefill chunks and decode); per device under a mesh.
-        pool, tables = kvc.layer_pages(seg_cache, layer, block_tables)
+        pool, tables = kvc.layer_pages(seg_cache, layer, block_tables)  # read in place, not sliced out
         scale = pool if "k_scale" in seg_cache else (lambda n: None)
-        args = (q, pool("k"), pool("v"), scale("k_scale"), scale("v_scale"), tables, positions)
-        out = None
-        if plan is not None:
-            out = paged_attention_sharded(*args, plan)
-        elif kernels.use_kernels():
-            out = kernels.paged_attention(*args)
-        if out is not None:
-            out = out.reshape(B, T, -1)
-        else:
-            # Pinning the gathered slots to the cache's own head layout keeps the partitioner from
-            # re-laying out the whole page pool to match the query heads' split (a pool copy per layer).
-            # Under a mesh the pages are read in one block: a loop over blocks would gather pages from
-            # the other devices on every iteration and make XLA copy the pool around the loop (a
-            # decode step of the 4-device CPU submesh went from 18 ms to 700 ms).
-            out = paged_attention_blocks(*args, constrain=lambda x: _constrain(x, plan, KV_HEADS),
-                                         one_block=plan is not None)
-    return linear(out, w["o"], plan, "o"), seg_cache
+        out = paged_attention(q, pool("k"), pool("v"), scale("k_scale"), scale("v_scale"), tables, positions, ex,
+                              plan, constrain=lambda x: _constrain(x, plan, KV_HEADS))
+    return linear(out, w["o"], ex, plan, "o"), seg_cache
 
 
 def decoder_layer(h, w, kind: str, cfg: ErnieConfig, positions, seg_cache=None, layer=None, block_tables=None,
-                  plan=None, batch_invariant: bool = False, rotary=None, expert_impl: str = "auto"):
+                  plan=None, batch_invariant: bool = False, rotary=None, ex: ExecutionConfig = REFERENCE):
     """Pre-norm residual block. Returns (h, seg_cache, expert ids or None)."""
     a, seg_cache = attention_block(rms_norm(h, w["input_norm"], cfg.rms_norm_eps), w, cfg, positions,
-                                   seg_cache, layer, block_tables, plan, rotary)
+                                   seg_cache, layer, block_tables, plan, rotary, ex)
     h = h + a
     x = rms_norm(h, w["post_norm"], cfg.rms_norm_eps)
     if kind == "dense":
-        y, ids = swiglu(x, w["up_gate"], w["down"], plan), None
-    elif plan is None:
-        y, ids = moe(x, w, cfg, batch_invariant, expert_impl)
+        y, ids = swiglu(x, w["up_gate"], w["down"], ex, plan), None
     else:
-        y, ids = moe_ep(x, w, cfg, plan, batch_invariant, expert_impl)
+        y, ids = moe(x, w, cfg, ex, plan, batch_invariant)
     return _constrain(h + y, plan, HIDDEN), seg_cache, ids
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "cfg", "plan", "batch_invariant", "expert_impl"))
-def _layer_call(h, w, seg_cache, layer, positions, rotary, block_tables, *, kind, cfg, plan, batch_invariant,
-                expert_impl):
+@functools.partial(jax.jit, static_argnames=("kind", "cfg", "plan", "batch_invariant", "ex"))
+def _layer_call(h, w, seg_cache, layer, positions, rotary, block_tables, *, kind, cfg, plan, batch_invariant, ex):
     return decoder_layer(h, w, kind, cfg, positions, seg_cache, layer, block_tables, plan, batch_invariant, rotary,
-                         expert_impl)
+                         ex)
 
 
 def lm_head(weights, h: jax.Array) -> jax.Array:
@@ -127,15 +106,14 @@ def lm_head(weights, h: jax.Array) -> jax.Array:
 def forward(weights: dict[str, Any], cfg: ErnieConfig, input_ids: jax.Array, positions: jax.Array | None = None,
             cache: kvc.KVCache | None = None, logit_positions: jax.Array | None = None,
             plan: ShardingPlan | None = None, block_tables: jax.Array | None = None,
-            batch_invariant: bool = False, expert_impl: str = "auto") -> ForwardOutput:
+            batch_invariant: bool = False, ex: ExecutionConfig = REFERENCE) -> ForwardOutput:
     """input_ids [B,T] int; positions [B,T] (default 0..T-1); with `cache`, K/V are written at `positions`
     through `block_tables` [B,n] (default: row b owns page b, a contiguous cache), and attention reads every
     filled slot, which is how incremental decoding works.
     `logit_positions` [B]: compute logits only at these token indices (e.g. the last prompt token).
     `plan`: run sharded on plan.mesh (weights and cache placed by the same plan); None runs unsharded.
-    `batch_invariant`: a row's result must not depend on the other rows (layers.routed_experts).
-    `expert_impl`: the routed-expert formulation (layers.routed_experts; "auto" picks), unsharded and for the
-    local experts under the psum expert-parallel dispatch.
+    `batch_invariant`: a row's result must not depend on the other rows (ops/routed_experts/capacity.py).
+    `ex`: which implementation each op runs (ops/execution.py; default: the XLA references).
     A segment's weights are either stacked [L, ...] (one lax.scan) or a list of per-layer pytrees
     (weights.cpu_layout; the layers are unrolled)."""
     B, T = input_ids.shape
@@ -150,7 +128,7 @@ def forward(weights: dict[str, Any], cfg: ErnieConfig, input_ids: jax.Array, pos
         seg_cache = None if cache is None else cache.segment(s)
         layer_fn = functools.partial(decoder_layer, kind=seg.kind, cfg=cfg, positions=positions,
                                      block_tables=block_tables, plan=plan, batch_invariant=batch_invariant,
-                                     rotary=rotary, expert_impl=expert_impl)
+                                     rotary=rotary, ex=ex)
         seg_w = weights["segments"][s]
         if isinstance(seg_w, list):
             ids = []
@@ -159,7 +137,7 @@ def forward(weights: dict[str, Any], cfg: ErnieConfig, input_ids: jax.Array, pos
                 # signature, so the layer is traced once (as under scan) and XLA inlines each call.
                 h, seg_cache, layer_ids = _layer_call(h, w, seg_cache, jnp.int32(layer), positions, rotary,
                                                       block_tables, kind=seg.kind, cfg=cfg, plan=plan,
-                                                      batch_invariant=batch_invariant, expert_impl=expert_impl)
+                                                      batch_invariant=batch_invariant, ex=ex)
                 ids.append(layer_ids)
             ids = None if seg.kind == "dense" else jnp.stack(ids)
         else:
@@ -180,7 +158,7 @@ def forward(weights: dict[str, Any], cfg: ErnieConfig, input_ids: jax.Array, pos
 
 
 def mtp_forward(weights: dict[str, Any], cfg: ErnieConfig, next_ids: jax.Array, hidden: jax.Array,
-                positions: jax.Array) -> jax.Array:
+                positions: jax.Array, ex: ExecutionConfig = REFERENCE) -> jax.Array:
     """MTP logits for token t+2 from (x_{t+1}, h_t).
 
     next_ids [B,T] are the tokens x_{t+1}; hidden [B,T,H] the main model's final-normed states h_t;
@@ -190,25 +168,26 @@ def mtp_forward(weights: dict[str, Any], cfg: ErnieConfig, next_ids: jax.Array, 
     e = weights["embed"][next_ids].astype(hidden.dtype)
     z = jnp.concatenate([rms_norm(e, m["emb_norm"], cfg.rms_norm_eps),
                          rms_norm(hidden, m["hidden_norm"], cfg.rms_norm_eps)], axis=-1)
-    u = linear(z, m["proj"])
-    u, _, _ = decoder_layer(u, m["layer"], "dense", cfg, positions)
+    u = linear(z, m["proj"], ex)
+    u, _, _ = decoder_layer(u, m["layer"], "dense", cfg, positions, ex=ex)
     return lm_head(weights, rms_norm(u, weights["final_norm"], cfg.rms_norm_eps))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "plan"))
-def forward_jit(weights, cfg, input_ids, positions=None, logit_positions=None, plan=None) -> ForwardOutput:
-    return forward(weights, cfg, input_ids, positions, None, logit_positions, plan)
+@functools.partial(jax.jit, static_argnames=("cfg", "plan", "ex"))
+def forward_jit(weights, cfg, input_ids, positions=None, logit_positions=None, plan=None, ex=REFERENCE
+                ) -> ForwardOutput:
+    return forward(weights, cfg, input_ids, positions, None, logit_positions, plan, ex=ex)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "plan"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "plan", "ex"), donate_argnames=("cache",))
 def forward_cached_jit(weights, cfg, input_ids, positions, cache, logit_positions=None, plan=None,
-                       block_tables=None) -> ForwardOutput:
-    out = forward(weights, cfg, input_ids, positions, cache, logit_positions, plan, block_tables)
+                       block_tables=None, ex=REFERENCE) -> ForwardOutput:
+    out = forward(weights, cfg, input_ids, positions, cache, logit_positions, plan, block_tables, ex=ex)
     if plan is not None:  # the cache leaves as it came in, sharded by KV heads
         out = out._replace(cache=jax.tree.map(lax.with_sharding_constraint, out.cache, out.cache.shardings(plan)))
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def mtp_forward_jit(weights, cfg, next_ids, hidden, positions):
-    return mtp_forward(weights, cfg, next_ids, hidden, positions)
+@functools.partial(jax.jit, static_argnames=("cfg", "ex"))
+def mtp_forward_jit(weights, cfg, next_ids, hidden, positions, ex=REFERENCE):
+    return mtp_forward(weights, cfg, next_ids, hidden, positions, ex)

@@ -2,16 +2,15 @@
 
 Arrays per segment: k, v [L, P, page, K, D]. A sequence owns a list of pages (its block-table row [n]);
 its token at position p lives in page block_table[p // page] at offset p % page. Writing scatters the new
-tokens there; attention (layers.paged_attention_blocks, or the Pallas kernel) reads the pages through the
+tokens there; attention (ops/paged_attention) reads the pages through the
 block table (unsharded, only as far as the query positions reach), slot j holding position j, and masks
 slots by position, so unwritten slots (and garbage pages behind unused block-table entries) are never seen. A
 contiguous cache is the special case of one page per sequence (`create(cfg, batch, max_len)` with block
 table row b = [b]). Right-padded tokens write slots that the sequence's later real tokens overwrite
 before any query can see them.
 
-On XLA:CPU a bf16 pool is stored as its uint16 bits (BF16_BITS): XLA:CPU scatters and gathers bf16 arrays
-through f32 copies of the whole pool (a copy per layer per step), integer arrays in place. `stored` and
-`loaded` convert at the pool's boundary; the values are the same bf16 numbers.
+A bf16 pool may be stored as its uint16 bits (ops/paged_attention/storage.py, the execution config's
+kv_bf16_bits); `stored` converts on the way in, and readers convert back by the pool's dtype.
 
 FP8 (`kv_cache_dtype="fp8"`): e4m3fn values plus one f32 dequant scale per (token, KV head). The scale is
 dynamic (amax over the head dim / 448, FastDeploy's block_wise_fp8 cache) unless the checkpoint ships
@@ -26,25 +25,11 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from ernie_jax.config import ErnieConfig
+from ernie_jax.ops.paged_attention.storage import stored
 from ernie_jax.quant import FP8, FP8_MAX
-
-BF16_BITS = jnp.uint16  # the storage dtype of a bf16 pool on XLA:CPU (module docstring)
-
-
-def stored(x: jax.Array, pool_dtype) -> jax.Array:
-    """Values x as a pool of `pool_dtype` stores them."""
-    if jnp.dtype(pool_dtype) == jnp.dtype(BF16_BITS):
-        return lax.bitcast_convert_type(x.astype(jnp.bfloat16), BF16_BITS)
-    return x.astype(pool_dtype)
-
-
-def loaded(x: jax.Array) -> jax.Array:
-    """Slots read from a pool, as values."""
-    return lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.dtype(BF16_BITS) else x
-
+from ernie_jax.sharding.rules import KV_HEADS
 
 KV_CACHE_DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "auto": None, "float32": jnp.float32,
                    "fp8": FP8, "fp8_e4m3": FP8}
@@ -71,7 +56,6 @@ class KVCache:
 
     def shardings(self, plan) -> "KVCache":
         """NamedShardings for this cache under a ShardingPlan: KV heads over tensor (pages over data)."""
-        from ernie_jax.sharding.rules import KV_HEADS
         return jax.tree.map(lambda a: plan.activation(KV_HEADS[: a.ndim - 1], a.shape), self)
 
     @property

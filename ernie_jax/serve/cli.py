@@ -45,6 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     a("--quantization", default=None, choices=["fp8"], help="quantize a BF16 checkpoint to block FP8 at load")
     a("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8"])
+    a("--kernels", default="auto", choices=["auto", "pallas", "xla"],
+      help="auto: the Pallas kernels where the device supports them and they pass a start-up self-check "
+           "against their XLA references; pallas: force them (interpreted off GPUs); xla: none")
     a("--block-size", type=int, default=16, help="tokens per KV page")
     a("--num-gpu-blocks-override", type=int, default=None, help="KV pages in the decode pool")
     a("--max-queue-len", type=int, default=256, help="waiting requests beyond which new ones get HTTP 429")
@@ -106,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
               disaggregate=args.disaggregate, sharding=args.sharding, page_size=args.block_size,
               num_pages=args.num_gpu_blocks_override, prefill_chunk=args.max_num_batched_tokens,
               compilation_cache_dir=args.compilation_cache_dir or None, batch_invariant=args.batch_invariant,
-              background_compile=args.background_compile)
+              background_compile=args.background_compile, kernels=args.kernels)
     if llm.tokenizer is None:
         raise SystemExit(f"{model_dir} has no tokenizer.model; the server needs one to render chats and text")
     _log_startup(llm, model_dir, args)
@@ -153,9 +156,14 @@ def _log_startup(llm, model_dir: str, args) -> None:
         log.info("colocated: prefill and decode on devices [%s] (%s)", ids(engine.decoder),
                  engine.decoder.devices[0].platform)
     report = engine.compile_report
+    for op in report.ops:
+        log.info("op %s: %s%s%s", op["op"], op["implementation"],
+                 f" (not used: {op['passed_over']})" if op["passed_over"] else "",
+                 f"; layout fallbacks: {op['layout_fallbacks']}" if op["layout_fallbacks"] else "")
     pending = engine.decoder.pending + (engine.prefiller.pending if engine.disaggregated else 0)
     log.info("compiled %d programs in %.1f s (%s)%s; max_model_len %d, max_num_seqs %d, %d KV pages of %d tokens",
-             len(report), engine.startup_seconds, ", ".join(f"{name} {size}: {sec:.1f}s" for name, size, sec in report),
+             len(report.programs), engine.startup_seconds,
+             ", ".join(f"{name} {size}: {sec:.1f}s" for name, size, sec in report.programs),
              f", {pending} more compiling in the background" if pending else "", engine.max_model_len,
              engine.max_num_seqs, engine.allocator.capacity, engine.page_size)
 

@@ -10,7 +10,7 @@ between scrapes. Each server has its own registry (several can live in one proce
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
 from ernie_jax.engine.engine import Engine, Request
 
@@ -80,6 +80,11 @@ class _EngineCollector:
         if e.disaggregated:
             g.add_metric([name, "prefill"], e.prefill_allocator.usage)
         yield g
+        info = InfoMetricFamily("ernie_jax:op_implementation", "The implementation each op runs, and why preferred "
+                                "ones were not used", labels=["model_name", "op"])
+        for op in e.compile_report.ops:
+            info.add_metric([name, op["op"]], {k: v for k, v in op.items() if k != "op"})
+        yield info
         c = CounterMetricFamily("ernie_jax:moe_expert_tokens", "Tokens routed to each expert of each MoE layer",
                                 labels=["model_name", "layer", "expert"])
         counts = e.expert_tokens.copy()

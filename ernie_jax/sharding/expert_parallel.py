@@ -3,9 +3,9 @@
 Each device holds E / n experts (n = the product of the mesh axes that "experts" maps to). Inside the
 shard_map every device routes all tokens of its batch shard (the router is replicated; when "experts" also
 spans the batch axis the tokens are all-gathered first and the result psum-scattered back). Then one of
-two dispatches (EP_DISPATCH):
+two dispatches (the execution config's ep_dispatch):
 - "replicated": each device computes the assignments to its own experts for every token
-  (layers.routed_experts) and a psum over the expert axes adds the shares up. Needs no all-to-all; the
+  (ops.routed_experts) and a psum over the expert axes adds the shares up. Needs no all-to-all; the
   default on CPU, where it is also the cheaper one.
 - "all_to_all": each device takes 1/n of the tokens, sends each assignment's row to the device that owns
   its expert with a ragged all-to-all, runs the grouped matmul on what it received, sends the results back
@@ -22,20 +22,10 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from ernie_jax.config import ErnieConfig
-from ernie_jax.model.layers import grouped_swiglu, route, routed_experts, shared_experts
+from ernie_jax.ops.execution import ExecutionConfig
+from ernie_jax.ops.routed_experts import grouped_swiglu, route, routed_experts
 from ernie_jax.sharding.collectives import axis_linear_index, ragged_all_to_all
 from ernie_jax.sharding.rules import ShardingError, ShardingPlan
-
-# "auto": all_to_all where the backend has a ragged all-to-all (not XLA:CPU), else replicated. Tests set
-# "all_to_all" to run that path on CPU (through collectives.py's all-gather equivalent).
-EP_DISPATCH = "auto"
-
-
-def _dispatch() -> str:
-    if EP_DISPATCH != "auto":
-        return EP_DISPATCH
-    return "replicated" if jax.default_backend() == "cpu" else "all_to_all"
-
 
 def _my_rows(a: jax.Array, axes: tuple[str, ...], plan: ShardingPlan) -> jax.Array:
     """This device's block of the leading axis of a, split over `axes` (the inverse of a tiled all_gather)."""
@@ -43,10 +33,10 @@ def _my_rows(a: jax.Array, axes: tuple[str, ...], plan: ShardingPlan) -> jax.Arr
     return lax.dynamic_slice_in_dim(a, axis_linear_index(axes) * rows, rows, axis=0)
 
 
-def moe_ep(x: jax.Array, w: dict, cfg: ErnieConfig, plan: ShardingPlan, batch_invariant: bool = False,
-           expert_impl: str = "auto") -> tuple[jax.Array, jax.Array]:
-    """x [B,T,H] (batch sharded per the rules) -> (y [B,T,H], expert ids [B*T,k]).
-    expert_impl: the local experts' formulation under the psum dispatch (layers.routed_experts)."""
+def moe_ep(x: jax.Array, w: dict, cfg: ErnieConfig, plan: ShardingPlan, ex: ExecutionConfig,
+           batch_invariant: bool = False) -> tuple[jax.Array, jax.Array]:
+    """The routed experts of x [B,T,H] (batch sharded per the rules) -> (y [B,T,H], expert ids [B*T,k]);
+    the caller adds the shared experts. ex: the dispatch, and the local experts' implementation."""
     expert_axes = plan.axes_of("experts")
     batch_axes = tuple(a for a in plan.axes_of("batch") if plan.size_of((a,)) > 1)
     n = plan.size_of(expert_axes)
@@ -59,7 +49,7 @@ def moe_ep(x: jax.Array, w: dict, cfg: ErnieConfig, plan: ShardingPlan, batch_in
     gather = tuple(a for a in batch_axes if a in expert_axes)
     reduce = tuple(a for a in expert_axes if a not in gather)
     local = cfg.moe_num_experts // n
-    a2a = _dispatch() == "all_to_all" and n > 1
+    a2a = ex.ep_dispatch == "all_to_all" and n > 1
     bspec = (batch_axes if len(batch_axes) > 1 else batch_axes[0]) if batch_axes else None
 
     def body(x, router, bias, up_gate, down):
@@ -67,12 +57,13 @@ def moe_ep(x: jax.Array, w: dict, cfg: ErnieConfig, plan: ShardingPlan, batch_in
             x = lax.all_gather(x, gather, axis=0, tiled=True)
         b, t, h = x.shape
         x2 = x.reshape(b * t, h)
-        weights, ids = route(x2, router, bias, cfg)
+        weights, ids = route(x2, router, bias, cfg.moe_k, cfg.moe_norm_min)
         if a2a:
-            y = _all_to_all_experts(x2, weights, ids, up_gate, down, expert_axes, n)
+            y = _all_to_all_experts(x2, weights, ids, up_gate, down, expert_axes, n, ex)
         else:
             y = routed_experts(x2, weights, ids, up_gate, down, cfg.moe_num_experts,
-                               axis_linear_index(expert_axes) * local, batch_invariant, expert_impl)
+                               axis_linear_index(expert_axes) * local, batch_invariant,
+                               implementation=ex.routed_experts, opts=ex.expert_options)
         y = y.reshape(b, t, h)
         ids = ids.reshape(b, t, -1)
         if not a2a and reduce:  # a2a: y is already the whole sum, the same on every device
@@ -88,14 +79,11 @@ def moe_ep(x: jax.Array, w: dict, cfg: ErnieConfig, plan: ShardingPlan, batch_in
     y, ids = jax.shard_map(body, mesh=plan.mesh, in_specs=in_specs, out_specs=(P(bspec, None, None),
                                                                                P(bspec, None, None)),
                            check_vma=False)(x, w["router"], w["router_bias"], up_gate, down)
-    x2 = x.reshape(-1, x.shape[-1])
-    if "shared_up_gate" in w:  # outside the shard_map: sharded by the rules like any dense FFN
-        y = y + shared_experts(x2, w, plan).reshape(y.shape)
     return y, ids.reshape(-1, ids.shape[-1])
 
 
 def _all_to_all_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, up_gate, down, axes: tuple[str, ...],
-                        n: int) -> jax.Array:
+                        n: int, ex: ExecutionConfig) -> jax.Array:
     """The routed-expert output for x [T,H] (the same T tokens on each of the n devices of `axes`), computed
     by the devices that own the experts: each device dispatches T/n tokens' assignments and returns its
     share of the rows, all-gathered into [T,H]. weights, ids [T,k]; up_gate/down hold E_local experts."""
@@ -129,7 +117,7 @@ def _all_to_all_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, up_gat
     row = jnp.arange(capacity)
     expert = jnp.where(row < ends[-1], jnp.searchsorted(ends, row, side="right") % local, local)
     by_expert = jnp.argsort(expert, stable=True)
-    ys = grouped_swiglu(got[by_expert], up_gate, down, jnp.sum(mine, axis=0))
+    ys = grouped_swiglu(got[by_expert], up_gate, down, jnp.sum(mine, axis=0), ex.matmuls)
     ys = jnp.zeros_like(ys).at[by_expert].set(ys)  # back to arrival order
     # Results return to their senders at the offsets the rows left from.
     back = ragged_all_to_all(ys, jnp.zeros((t * k, H), x.dtype), recv_offsets, recv, _offsets_at_sources(sizes, me),

@@ -4,7 +4,8 @@ A pallas_call is not partitioned by GSPMD, so under a mesh the kernel runs per d
 weights (qkv, up_gate: output columns split) need no collective; row-parallel ones (o, down: input rows
 split) take the matching slice of the activation and a psum adds the partial products, as GSPMD would.
 The kernel's scales cover 128 x 128 blocks, so this applies when every split dimension splits into whole
-blocks on each device and the scales are split the same way; other layouts keep the XLA path (None).
+blocks on each device and the scales are split the same way; other layouts return None, and the caller
+takes the XLA path (GSPMD-partitioned), noted once in the log and the ops report (ops.base.note_fallback).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import jax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from ernie_jax import pallas as kernels
+from ernie_jax.ops.base import note_fallback
+from ernie_jax.ops.block_fp8_matmul import block_fp8_matmul
+from ernie_jax.ops.dense import Matmuls
 from ernie_jax.quant import BlockFP8
 from ernie_jax.sharding.rules import LEAF_AXES, ShardingPlan
 
@@ -24,26 +27,38 @@ def _axes(entry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def fp8_linear_sharded(x: jax.Array, w: BlockFP8, plan: ShardingPlan, leaf: str) -> jax.Array | None:
-    """x [..., K] @ w [K, N] (the weights-pytree leaf `leaf`, placed by plan) -> [..., N] in x's dtype, or
-    None when this layout cannot run the kernel per device."""
-    if not kernels.use_kernels() or w.block != BLOCK or w.values.ndim != 2:
+def fp8_linear_sharded(x: jax.Array, w: BlockFP8, plan: ShardingPlan, leaf: str, mm: Matmuls) -> jax.Array | None:
+    """x [..., K] @ w [K, N] (the weights-pytree leaf `leaf`, placed by plan) through the block-FP8 kernel
+    mm.block_fp8 per device -> [..., N] in x's dtype, or None when this layout cannot run it per device."""
+    why = _layout_problem(x, w, plan, leaf)
+    if why is not None:
+        note_fallback("block_fp8_matmul", mm.block_fp8, f"{leaf} {w.shape} on mesh {dict(plan.mesh.shape)}: {why}")
         return None
+    specs = plan.param_spec(leaf, w)
+    spec = plan.spec(LEAF_AXES[leaf], w.shape, leaf)
+    k_axes = _axes(spec[0])
+    lead = tuple(plan.spec(("batch",) + (None,) * (x.ndim - 2), x.shape[:-1]))
+    x_spec, out_spec = P(*lead, spec[0]), P(*lead, spec[1])
+
+    def local(x, values, scales):
+        y = block_fp8_matmul(x.reshape(-1, x.shape[-1]), values, scales, w.k_major, implementation=mm.block_fp8,
+                             platform=mm.platform)
+        y = y.reshape(*x.shape[:-1], y.shape[-1])
+        return lax.psum(y, k_axes) if k_axes else y
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(x_spec, specs.values, specs.scales), out_specs=out_spec,
+                         check_vma=False)(x, w.values, w.scales)
+
+
+def _layout_problem(x: jax.Array, w: BlockFP8, plan: ShardingPlan, leaf: str) -> str | None:
+    if w.block != BLOCK or w.values.ndim != 2:
+        return f"block {w.block}, {w.values.ndim}-d values"
     specs = plan.param_spec(leaf, w)
     spec = plan.spec(LEAF_AXES[leaf], w.shape, leaf)  # [in, out] entries, whatever the storage layout
     for dim, entry, scale_entry in zip(w.shape, spec, specs.scales):
         n = plan.size_of(_axes(entry))
         if n > 1 and ((dim // n) % BLOCK or _axes(scale_entry) != _axes(entry)):
-            return None
-    k_axes = _axes(spec[0])
+            return f"a dimension of {dim} split {n} ways is not whole {BLOCK}-blocks per device"
     lead = tuple(plan.spec(("batch",) + (None,) * (x.ndim - 2), x.shape[:-1]))
-    if {a for e in lead for a in _axes(e)} & set(k_axes + _axes(spec[1])):
-        return None
-    x_spec, out_spec = P(*lead, spec[0]), P(*lead, spec[1])
-
-    def local(x, values, scales):
-        y = kernels.block_fp8_matmul(x.reshape(-1, x.shape[-1]), values, scales, k_major=w.k_major)
-        y = y.reshape(*x.shape[:-1], y.shape[-1])
-        return lax.psum(y, k_axes) if k_axes else y
-    return jax.shard_map(local, mesh=plan.mesh, in_specs=(x_spec, specs.values, specs.scales), out_specs=out_spec,
-                         check_vma=False)(x, w.values, w.scales)
+    if {a for e in lead for a in _axes(e)} & set(_axes(spec[0]) + _axes(spec[1])):
+        return "the activation's batch split shares a mesh axis with the weight's"
+    return None

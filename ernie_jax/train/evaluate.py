@@ -30,6 +30,7 @@ import numpy as np
 from ernie_jax.config import ErnieConfig
 from ernie_jax.model.forward import forward, mtp_forward
 from ernie_jax.model.kv_cache import KVCache
+from ernie_jax.ops.selfcheck import execution_for
 from ernie_jax.train.corpus import load_corpus
 
 BATCH = 8
@@ -51,8 +52,8 @@ def rolling_windows(tokens: list[int], prefix: int, max_len: int) -> list[tuple[
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kv_dtype"))
-def _score(weights, window, scored, *, cfg: ErnieConfig, kv_dtype):
+@functools.partial(jax.jit, static_argnames=("cfg", "kv_dtype", "ex"))
+def _score(weights, window, scored, *, cfg: ErnieConfig, kv_dtype, ex):
     """window [B, L+1] ids (inputs window[:, :L], targets window[:, 1:]); scored [B, L] 0/1.
     Returns per window (log-likelihood sum, top-1 hits, MTP top-1 hits, MTP positions) and expert counts."""
     B, L1 = window.shape
@@ -60,13 +61,13 @@ def _score(weights, window, scored, *, cfg: ErnieConfig, kv_dtype):
     ids, targets = window[:, :L], window[:, 1:]
     positions = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
     cache = None if kv_dtype is None else KVCache.create(cfg, B, L, jnp.dtype(kv_dtype))
-    out = forward(weights, cfg, ids, positions, cache)
+    out = forward(weights, cfg, ids, positions, cache, ex=ex)
     logp = jax.nn.log_softmax(out.logits, axis=-1)
     ll = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     hit = (jnp.argmax(out.logits, axis=-1) == targets)
     res = [jnp.sum(ll * scored, -1), jnp.sum(hit * scored, -1)]
     if cfg.has_mtp:  # from x_{t+1} = targets[t] and h_t, predict targets[t+1]
-        mtp = mtp_forward(weights, cfg, targets, out.hidden, positions)
+        mtp = mtp_forward(weights, cfg, targets, out.hidden, positions, ex)
         both = scored[:, :-1] * scored[:, 1:]
         res += [jnp.sum((jnp.argmax(mtp[:, :-1], -1) == targets[:, 1:]) * both, -1), jnp.sum(both, -1)]
     valid = scored.reshape(-1).astype(jnp.int32)
@@ -93,6 +94,7 @@ def score_model(weights, cfg: ErnieConfig, rows, masks, kv_dtype=None) -> dict:
     """Score every window; windows run in batches of BATCH, each batch cut to the shortest of the lengths
     L/4, L/2, L that holds its windows (most Song ci are a fraction of a window). Returns the per-window
     results [n, 2 or 4] (in the windows' order) and the expert counts."""
+    ex = execution_for(jax.devices()[0])
     n, L = masks.shape
     used = np.asarray([int(np.nonzero(m)[0].max()) + 1 if m.any() else 1 for m in masks])
     buckets = sorted({max(L // 4, 1), max(L // 2, 1), L})
@@ -104,7 +106,7 @@ def score_model(weights, cfg: ErnieConfig, rows, masks, kv_dtype=None) -> dict:
         r = np.zeros((BATCH, width + 1), rows.dtype)
         m = np.zeros((BATCH, width), masks.dtype)
         r[:len(idx)], m[:len(idx)] = rows[idx, :width + 1], masks[idx, :width]
-        res, ld = _score(weights, jnp.asarray(r), jnp.asarray(m), cfg=cfg, kv_dtype=kv_dtype)
+        res, ld = _score(weights, jnp.asarray(r), jnp.asarray(m), cfg=cfg, kv_dtype=kv_dtype, ex=ex)
         results[idx] = np.stack([np.asarray(x) for x in res], axis=-1)[:len(idx)]
         ld = [np.asarray(x) for x in ld]
         loads = ld if loads is None else [a + c for a, c in zip(loads, ld)]

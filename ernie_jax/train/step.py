@@ -30,13 +30,14 @@ import optax
 from ernie_jax.config import ErnieConfig
 from ernie_jax.model.forward import forward, mtp_forward
 from ernie_jax.model.weights import F32_LEAVES, init_weights
+from ernie_jax.ops.execution import ExecutionConfig
 
-# The routed-expert form of the training forward (layers.routed_experts): differentiable, with static shapes
-# and at most one tile of padding per expert whatever the routing. (The capacity form pads every expert to
-# the largest load, up to 4x the rows while the router is still unbalanced; the tiled form's loops have
-# data-dependent trip counts, which reverse mode cannot differentiate; XLA:CPU runs the ragged form as every
-# row through every expert.)
-TRAIN_EXPERT_IMPL = "sorted_tiles"
+# The training forward: the XLA references (differentiable), with the sorted-tiles routed experts
+# (ops/routed_experts/sorted_tiles.py): static shapes and at most one tile of padding per expert whatever the
+# routing. (The capacity form pads every expert to the largest load, up to 4x the rows while the router is
+# still unbalanced; the tiled form's loops have data-dependent trip counts, which reverse mode cannot
+# differentiate; XLA:CPU runs the ragged form as every row through every expert.)
+TRAIN_EXECUTION = ExecutionConfig(routed_experts="sorted_tiles")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,11 +139,11 @@ def losses(params, tokens: jax.Array, cfg: ErnieConfig, tc: TrainConfig, plan=No
     T = T2 - 2
     x, next1, next2 = tokens[:, :T], tokens[:, 1:T + 1], tokens[:, 2:]
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    out = forward(w, cfg, x, positions, plan=plan, expert_impl=TRAIN_EXPERT_IMPL)
+    out = forward(w, cfg, x, positions, plan=plan, ex=TRAIN_EXECUTION)
     lm = _xent(out.logits, next1)
     total, mtp = lm, jnp.zeros((), jnp.float32)
     if cfg.has_mtp:
-        mtp = _xent(mtp_forward(w, cfg, next1, out.hidden, positions), next2)
+        mtp = _xent(mtp_forward(w, cfg, next1, out.hidden, positions, TRAIN_EXECUTION), next2)
         total = lm + tc.mtp_weight * mtp
     loads = tuple(jnp.sum(jax.nn.one_hot(ids, cfg.moe_num_experts, dtype=jnp.int32), axis=(1, 2))
                   for ids in out.expert_ids)  # [L, E] each

@@ -1,4 +1,4 @@
-"""Block-FP8 matmul (FastDeploy w8a8 numerics) as a Pallas GPU kernel, with its XLA reference.
+"""Block-FP8 matmul (FastDeploy w8a8 numerics) as a Pallas-Triton GPU kernel.
 
 y[t, o] = sum over 128-wide K blocks kb of (x_q[t, kb] . w_q[kb, o]) * x_scale[t, kb] * w_scale[kb, o // 128]:
 the activation tile is quantized to e4m3 per token per 128 channels inside the kernel, each K block is an
@@ -13,7 +13,7 @@ Pallas interpreter on CPU (the tests) and lowers for CUDA here.
 Weight layout: Hopper's FP8 wgmma reads both operands K-major from shared memory, so with [K, N] weights
 Triton must transpose every weight tile on its way to the MMA. The kernels therefore also take K-major
 weights ([N, K], `k_major=True`; the tile is contracted on its second axis), and the model's loader stores
-the FP8 linears that way when the kernels are in use (`pallas.kernel_layout`); the checkpoint's [K, N]
+the FP8 linears that way when the kernels are in use (`ops.kernel_layout`); the checkpoint's [K, N]
 stays accepted.
 """
 
@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from ernie_jax.quant import FP8, FP8_MAX, BlockFP8, fp8_linear
+from ernie_jax.quant import FP8, FP8_MAX
 
 BK = 128  # the K block of the weight scales and of the activation groups
 BN = 128  # one weight-scale column per output tile
@@ -96,8 +96,3 @@ def block_fp8_matmul_pallas(x, w_q, w_scale, k_major: bool = False, interpret: b
         interpret=interpret,
     )(xp, wp, ws)
     return out[:M, :N]
-
-
-def block_fp8_matmul_reference(x, w_q, w_scale, k_major: bool = False):
-    """The XLA path of the same contract (quant.fp8_linear in w8a8 mode)."""
-    return fp8_linear(x, BlockFP8(w_q, w_scale, k_major=k_major), "w8a8")

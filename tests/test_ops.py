@@ -1,14 +1,29 @@
-"""Pallas kernels in interpret mode against their XLA references, and their CUDA lowering (no GPU needed)."""
+"""The op layer: kernels in interpret mode against their XLA references, their CUDA lowering (no GPU
+needed), the XLA:CPU forms, the model's dispatch through the execution config, and the start-up self-check."""
 
+import ast
 import functools
+import logging
+import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ernie_jax import pallas as kernels
+from ernie_jax.ops import ExecutionConfig, Platform
+from ernie_jax.ops.block_fp8_matmul import block_fp8_matmul
+from ernie_jax.ops.grouped_fp8_matmul import grouped_fp8_matmul
+from ernie_jax.ops.paged_attention import paged_attention
 from ernie_jax.quant import quantize_block_fp8
+
+PALLAS = "pallas_triton"
+
+
+def paged_decode(q, kp, vp, ks, vs, tables, lengths, implementation):
+    """One query token per sequence (q [B,N,D]) whose cache holds `lengths` [B] tokens -> [B,N*D]."""
+    out = paged_attention(q[:, None], kp, vp, ks, vs, tables, (lengths - 1)[:, None], implementation=implementation)
+    return out[:, 0]
 
 
 def _rel(a, b):
@@ -21,14 +36,14 @@ def _rel(a, b):
 def test_block_fp8_matmul(M, K, N, dtype):
     x = jax.random.normal(jax.random.key(M), (M, K)).astype(dtype)
     w = quantize_block_fp8(jax.random.normal(jax.random.key(K), (K, N)) * 0.05)
-    out = kernels.block_fp8_matmul(x, w.values, w.scales, implementation="pallas")
-    ref = kernels.block_fp8_matmul(x, w.values, w.scales, implementation="xla")
+    out = block_fp8_matmul(x, w.values, w.scales, implementation=PALLAS)
+    ref = block_fp8_matmul(x, w.values, w.scales, implementation="xla")
     assert out.shape == (M, N) and out.dtype == dtype
     assert _rel(out, ref) < (1e-6 if dtype == jnp.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("M, K, N", [(7, 200, 136), (33, 384, 256), (5, 256, 256)])
-@pytest.mark.parametrize("impl", ["pallas", "xla"])
+@pytest.mark.parametrize("impl", [PALLAS, "xla"])
 def test_block_fp8_matmul_k_major(M, K, N, impl):
     """K-major weights ([N, K], as the loader stores them for the kernels) give the [K, N] reference's
     result, square shapes included (where only the flag tells the layouts apart)."""
@@ -36,8 +51,8 @@ def test_block_fp8_matmul_k_major(M, K, N, impl):
     w = quantize_block_fp8(jax.random.normal(jax.random.key(K), (K, N)) * 0.05)
     t = w.relayout(True)
     assert t.values.shape == (N, K) and t.shape == (K, N)
-    out = kernels.block_fp8_matmul(x, t.values, t.scales, implementation=impl, k_major=True)
-    ref = kernels.block_fp8_matmul(x, w.values, w.scales, implementation="xla")
+    out = block_fp8_matmul(x, t.values, t.scales, True, implementation=impl)
+    ref = block_fp8_matmul(x, w.values, w.scales, implementation="xla")
     assert _rel(out, ref) < 1e-6
 
 
@@ -50,10 +65,30 @@ def test_grouped_block_fp8_matmul(sizes, k_major):
     w = quantize_block_fp8(jax.random.normal(jax.random.key(1), (G, K, N)) * 0.05)
     t = w.relayout(k_major)
     gs = jnp.asarray(sizes, jnp.int32)
-    out = kernels.grouped_block_fp8_matmul(x, t.values, t.scales, gs, implementation="pallas", k_major=k_major)
-    ref = kernels.grouped_block_fp8_matmul(x, w.values, w.scales, gs, implementation="xla")
+    out = grouped_fp8_matmul(x, t.values, t.scales, gs, k_major, implementation=PALLAS)
+    ref = grouped_fp8_matmul(x, w.values, w.scales, gs, implementation="xla")
     assert _rel(out, ref) < 1e-6
     assert not np.asarray(out[sum(sizes):]).any()
+
+
+def test_grouped_kernel_computes_only_the_tiles_groups_fill():
+    """The buffer's tiles past the groups' rows are never computed: they are NaN here, which any product
+    they entered would spread, and they come back as zeros while the real tiles match the reference."""
+    from ernie_jax.ops.grouped_fp8_matmul.pallas_triton import grouped_tiles, pad_operands, row_tile, tile_layout
+    sizes, K, N, M = [5, 0, 20], 256, 128, 64  # a static buffer far larger than the 25 routed rows
+    x = jax.random.normal(jax.random.key(0), (M, K))
+    w = quantize_block_fp8(jax.random.normal(jax.random.key(1), (3, K, N)) * 0.05)
+    gs = jnp.asarray(sizes, jnp.int32)
+    bm = row_tile(M, 3)
+    dest, valid, tile_group, Mp, used = tile_layout(gs, M, bm)
+    assert int(used[0]) == 2 * bm < Mp  # group 0 and group 2 fill one tile each
+    past = (jnp.arange(Mp) >= used[0])[:, None]  # the tiles no group reaches: NaN, with the rows past the groups
+    xp = jnp.where(past, jnp.full((Mp, K), jnp.nan), 0.0).at[dest].set(jnp.where(valid[:, None], x, jnp.nan))
+    xp, wp, ws, _ = pad_operands(xp, w.values, w.scales, bm, False)
+    out = np.asarray(grouped_tiles(tile_group, used, xp, wp, ws, bm=bm, k_major=False, interpret=True))
+    assert not out[int(used[0]):].any() and np.isfinite(out).all()
+    ref = grouped_fp8_matmul(x, w.values, w.scales, gs, implementation="xla")
+    assert _rel(out[np.asarray(dest)[:25]], ref[:25]) < 1e-6
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -71,20 +106,20 @@ def test_paged_decode_attention(fp8, N, K):
         kp, vp = (kp * 20).astype(jnp.float8_e4m3fn), (vp * 20).astype(jnp.float8_e4m3fn)
     tables = jnp.asarray([[3, 7, 1, 0], [5, 2, 0, 0], [11, 9, 8, 4]], jnp.int32)  # non-contiguous, unused tails
     lengths = jnp.asarray([37, 5, 64], jnp.int32)  # not multiples of the page size
-    out = kernels.paged_decode_attention(q, kp, vp, ks, vs, tables, lengths, implementation="pallas")
-    ref = kernels.paged_decode_attention(q, kp, vp, ks, vs, tables, lengths, implementation="xla")
-    assert _rel(out, ref) < 1e-5
+    out = paged_decode(q, kp, vp, ks, vs, tables, lengths, PALLAS)
+    for impl in ("xla", "xla_cpu"):
+        assert _rel(out, paged_decode(q, kp, vp, ks, vs, tables, lengths, impl)) < 1e-5
 
 
+@pytest.mark.parametrize("impl", ["xla", "xla_cpu"])
 @pytest.mark.parametrize("T", [3, 1], ids=["chunk", "decode"])
 @pytest.mark.parametrize("block_slots", [16, 64])
-def test_xla_paged_attention_reads_only_what_positions_reach(monkeypatch, block_slots, T):
-    """The XLA path (layers.paged_attention_blocks, the kernels' reference) equals dense attention over the
-    gathered slots, for prefill chunks and for decode (T = 1, which reads the slots of every KV head in one
-    matmul), and never touches pages past the block holding the batch's largest position: they are NaN
-    here, and would poison any product they entered."""
+def test_xla_paged_attention_reads_only_what_positions_reach(block_slots, T, impl):
+    """The XLA forms (the reference, and XLA:CPU's, which for decode reads the slots of every KV head in one
+    block-diagonal matmul) equal dense attention over the gathered slots, for prefill chunks and decode, and
+    never touch pages past the block holding the batch's largest position: they are NaN here, and would
+    poison any product they entered."""
     from ernie_jax.model import layers
-    monkeypatch.setattr(layers, "PAGED_BLOCK_SLOTS", block_slots)
     B, N, K, D, page = 2, 4, 2, 16, 8
     rng = np.random.default_rng(1)
     kp = rng.standard_normal((10, page, K, D)).astype(np.float32)
@@ -99,8 +134,8 @@ def test_xla_paged_attention_reads_only_what_positions_reach(monkeypatch, block_
     reach = -(-23 // block_slots) * block_slots // page  # pages of the blocks the largest position needs
     for p in set(tables[:, reach:].ravel()) - set(tables[:, :reach].ravel()):
         kp[p] = vp[p] = np.nan
-    out = layers.paged_attention_blocks(q, jnp.asarray(kp), jnp.asarray(vp), None, None, jnp.asarray(tables),
-                                        jnp.asarray(positions))
+    out = paged_attention(q, jnp.asarray(kp), jnp.asarray(vp), None, None, jnp.asarray(tables),
+                          jnp.asarray(positions), implementation=impl, block_slots=block_slots)
     assert np.isfinite(np.asarray(out)).all()
     real = positions >= 0
     assert _rel(np.asarray(out)[real], np.asarray(dense)[real]) < 1e-5
@@ -121,15 +156,15 @@ def test_paged_prefill_attention(fp8, T, start):
         kp, vp = (kp * 20).astype(jnp.float8_e4m3fn), (vp * 20).astype(jnp.float8_e4m3fn)
     tables = jnp.asarray([[3, 7, 1, 0], [5, 2, 9, 11]], jnp.int32)
     positions = jnp.asarray(start + np.arange(T)[None].repeat(B, 0), jnp.int32).at[1, -1].set(-1)  # a padding token
-    out = kernels.paged_attention(q, kp, vp, ks, vs, tables, positions, implementation="pallas")
-    ref = kernels.paged_attention(q, kp, vp, ks, vs, tables, positions, implementation="xla")
+    out = paged_attention(q, kp, vp, ks, vs, tables, positions, implementation=PALLAS)
+    ref = paged_attention(q, kp, vp, ks, vs, tables, positions, implementation="xla")
     assert _rel(out[0], ref[0]) < 1e-5 and _rel(out[1, :-1], ref[1, :-1]) < 1e-5
 
 
 def test_every_kernel_lowers_for_cuda():
-    from ernie_jax.pallas.block_fp8_matmul import block_fp8_matmul_pallas
-    from ernie_jax.pallas.grouped_fp8_matmul import grouped_block_fp8_matmul_pallas
-    from ernie_jax.pallas.paged_attention import paged_attention_pallas
+    from ernie_jax.ops.block_fp8_matmul.pallas_triton import block_fp8_matmul_pallas
+    from ernie_jax.ops.grouped_fp8_matmul.pallas_triton import grouped_block_fp8_matmul_pallas
+    from ernie_jax.ops.paged_attention.pallas_triton import paged_attention_pallas
     sds = jax.ShapeDtypeStruct
     f8, bf, f32, i32 = jnp.float8_e4m3fn, jnp.bfloat16, jnp.float32, jnp.int32
     cases = [
@@ -152,30 +187,30 @@ def test_every_kernel_lowers_for_cuda():
         assert "triton" in text.lower() or "pallas" in text.lower() or "custom_call" in text
 
 
-def run_with_kernels(monkeypatch, fn, *args):
-    """fn(*args) with the model's dispatch forced onto the (interpreted) kernels, as on a GPU; returns
-    (result, names of the kernels that were traced)."""
-    from ernie_jax.model import layers
+KERNEL_MODULES = {"block_fp8_matmul_pallas": "ernie_jax.ops.block_fp8_matmul",
+                  "grouped_block_fp8_matmul_pallas": "ernie_jax.ops.grouped_fp8_matmul",
+                  "paged_attention_pallas": "ernie_jax.ops.paged_attention"}
+
+
+def record_kernels(monkeypatch) -> set:
+    """The names of the kernels traced from now on (each op's dispatch calls them through its module)."""
+    import importlib
     used = set()
-    for name in ("block_fp8_matmul_pallas", "grouped_block_fp8_matmul_pallas", "paged_attention_pallas"):
-        real = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _real=real, _name=name, **k: used.add(_name) or _real(*a, **k))
-    monkeypatch.setattr(kernels, "use_kernels", lambda: True)
-    monkeypatch.setattr(kernels, "resolve", lambda impl: impl or "pallas")
-    monkeypatch.setattr(layers, "EXPERT_IMPL", "ragged")
-    jax.clear_caches()
-    try:
-        return fn(*args), used
-    finally:
-        jax.clear_caches()
+    for name, module in KERNEL_MODULES.items():
+        mod = importlib.import_module(module)
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, _name=name, **k: used.add(_name) or _real(*a, **k))
+    return used
 
 
-def loaded_for_kernels(model):
-    """`model` placed again as the loader places it when the kernels are in use (call under
-    run_with_kernels): every w8a8 block-FP8 matrix K-major."""
+def with_kernels(model):
+    """`model` placed again with the kernels forced (interpreted here) and the grouped expert matmul, as a
+    GPU runs it: every w8a8 block-FP8 matrix K-major."""
     from ernie_jax.model.ernie import ErnieForCausalLM
     from ernie_jax.quant import BlockFP8
-    placed = ErnieForCausalLM.from_host(model.config, model.weights(), model.dtype, model.plan)
+    ex = ExecutionConfig.select(Platform("cpu"), "pallas", routed_experts="ragged")
+    assert ex.uses_kernel("block_fp8_matmul") and ex.uses_kernel("paged_attention") and not ex.kv_bf16_bits
+    placed = ErnieForCausalLM.from_host(model.config, model.weights(), model.dtype, model.plan, ex)
     fp8 = [w for w in jax.tree.leaves(placed.weights(), is_leaf=lambda x: isinstance(x, BlockFP8))
            if isinstance(w, BlockFP8)]
     assert fp8 and all(w.k_major for w in fp8)
@@ -199,9 +234,9 @@ def test_model_runs_through_the_kernels(monkeypatch, golden):
             out = m.forward(ids[:, t:t + 1], np.full((1, 1), t), out.cache)
             logits.append(np.asarray(out.logits))
         return np.concatenate(logits, axis=1)
-    jax.clear_caches()
     ref = decode(model)
-    out, used = run_with_kernels(monkeypatch, lambda m: decode(loaded_for_kernels(m)), model)
+    used = record_kernels(monkeypatch)
+    out = decode(with_kernels(model))
     assert used == {"block_fp8_matmul_pallas", "grouped_block_fp8_matmul_pallas", "paged_attention_pallas"}
     assert np.abs(out - ref).max() < 1e-3 * np.abs(ref).max()
 
@@ -226,9 +261,9 @@ def test_sharded_programs_use_kernels_where_shards_allow(monkeypatch, golden, me
         out = m.forward(ids[:, :4], np.broadcast_to(np.arange(4), (2, 4)), m.init_cache(2, 16))
         out = m.forward(ids[:, 4:5], np.full((2, 1), 4), out.cache)
         return np.asarray(out.logits)
-    jax.clear_caches()
     ref = decode(model)
-    out, used = run_with_kernels(monkeypatch, lambda m: decode(loaded_for_kernels(m)), model)
+    used = record_kernels(monkeypatch)
+    out = decode(with_kernels(model))
     assert used == kernels_used
     assert np.abs(out - ref).max() < 1e-3 * np.abs(ref).max()
 
@@ -244,8 +279,75 @@ def test_sharded_fp8_linears_run_the_kernel_per_device(monkeypatch):
 
     def logits(m):
         return np.asarray(m.forward(ids, np.arange(5)[None], m.init_cache(1, 16)).logits)
-    jax.clear_caches()
     ref = logits(model)
-    out, used = run_with_kernels(monkeypatch, lambda m: logits(loaded_for_kernels(m)), model)
+    used = record_kernels(monkeypatch)
+    out = logits(with_kernels(model))
     assert used == {"block_fp8_matmul_pallas", "grouped_block_fp8_matmul_pallas", "paged_attention_pallas"}
     assert np.abs(out - ref).max() < 1e-3 * np.abs(ref).max()
+
+
+def test_execution_config_choice_per_platform():
+    """Each op takes its first supported implementation and says why it passed over the others: an A100 (8.0)
+    has no FP8 MMA, so it keeps the FP8 matmuls on XLA and runs the attention kernel."""
+    cpu = ExecutionConfig.select(Platform("cpu"))
+    assert (cpu.block_fp8_matmul, cpu.paged_attention, cpu.routed_experts, cpu.ep_dispatch) == \
+        ("xla", "xla_cpu", "xla_cpu", "replicated") and cpu.kv_bf16_bits
+    a100 = ExecutionConfig.select(Platform("gpu", (8, 0)))
+    assert (a100.block_fp8_matmul, a100.grouped_fp8_matmul, a100.paged_attention, a100.routed_experts) == \
+        ("xla", "xla", PALLAS, "ragged")
+    assert any(op == "block_fp8_matmul" and "8.9" in why for op, _, why in a100.passed_over)
+    h200 = ExecutionConfig.select(Platform("gpu", (9, 0)))
+    assert h200.block_fp8_matmul == PALLAS and h200.ep_dispatch == "all_to_all" and h200.kernel_layout
+    off = ExecutionConfig.select(Platform("gpu", (9, 0)), "xla")
+    assert not any(off.uses_kernel(op) for op in ("block_fp8_matmul", "grouped_fp8_matmul", "paged_attention"))
+    assert len({cpu, a100, h200, off}) == 4 and hash(h200) == hash(ExecutionConfig.select(Platform("gpu", (9, 0))))
+    with pytest.raises(ValueError, match="routed_experts.*unknown implementation 'fast'"):
+        ExecutionConfig(routed_experts="fast")
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return out
+
+
+def test_layers_import_one_way():
+    """ops imports nothing above it; sharding imports ops but not the model; the model imports both:
+    no circle among ops, sharding and model (every import, lazy ones included)."""
+    root = pathlib.Path(__file__).parents[1] / "ernie_jax"
+    above = {"ops": ("ernie_jax.model", "ernie_jax.sharding", "ernie_jax.engine", "ernie_jax.serve"),
+             "sharding": ("ernie_jax.model", "ernie_jax.engine", "ernie_jax.serve"),
+             "model": ("ernie_jax.engine", "ernie_jax.serve")}
+    for package, banned in above.items():
+        for path in (root / package).rglob("*.py"):
+            bad = [m for m in _imports(path) if m.startswith(banned)]
+            assert not bad, f"{path.relative_to(root)} imports {bad}"
+
+
+def test_a_failing_kernel_falls_back_at_start_up(monkeypatch, caplog):
+    """A kernel that fails its self-check on this device (here: an injected one that raises) is replaced by
+    its op's next implementation: the engine starts, logs the fallback, serves, and its compile report and
+    metrics name it."""
+    from ernie_jax import LLM, SamplingParams
+    from ernie_jax.assets import EMBEDDED_MODEL_DIR
+    from ernie_jax.ops import base, block_fp8_matmul as op_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no FP8 MMA on this device")
+    injected = base.Implementation("broken_kernel", broken, lambda platform: None, kernel=True)
+    monkeypatch.setattr(op_module.OP, "implementations", (injected,) + op_module.OP.implementations)
+    with caplog.at_level(logging.WARNING, logger="ernie_jax.ops"):
+        llm = LLM(EMBEDDED_MODEL_DIR, max_num_seqs=2, max_model_len=64, prefill_chunk=32)
+    assert any("broken_kernel" in r.getMessage() and "falling back" in r.getMessage() for r in caplog.records)
+    ops = {o["op"]: o for o in llm.engine.compile_report.ops}
+    assert ops["block_fp8_matmul"]["implementation"] == "xla"
+    assert "broken_kernel: self-check failed: RuntimeError: no FP8 MMA" in ops["block_fp8_matmul"]["passed_over"]
+    out = llm.generate(prompt_token_ids=[[1, 300, 42]], sampling_params=SamplingParams(max_tokens=4, temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 4
+    from ernie_jax.serve.metrics import ServerMetrics
+    text = ServerMetrics(llm.engine, "m").render().decode()
+    assert 'ernie_jax:op_implementation_info{' in text and 'broken_kernel: self-check failed' in text

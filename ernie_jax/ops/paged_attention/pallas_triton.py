@@ -1,4 +1,4 @@
-"""GQA attention over a paged KV cache (bf16 or FP8 with per-token-head scales): Pallas GPU kernel + XLA reference.
+"""GQA attention over a paged KV cache (bf16 or FP8 with per-token-head scales) as a Pallas-Triton GPU kernel.
 
 One kernel serves decode (one query token per sequence) and chunked prefill (a chunk of T query tokens):
 each program takes a tile of query tokens of one sequence and all R = N/K query heads of one KV head (rows
@@ -6,7 +6,8 @@ each program takes a tile of query tokens of one sequence and all R = N/K query 
 position needs, dequantizes FP8 K/V with their scales on the fly, and keeps a flash-style online softmax.
 A key slot is visible to a row iff slot <= that row's position (causal by position), so lengths need not
 be multiples of the page size and unused block-table entries are never read. Heads are padded to a power
-of two and rows to at least 16, the smallest MMA tile. Backend: Pallas-Triton (see block_fp8_matmul.py).
+of two and rows to at least 16, the smallest MMA tile. Backend: Pallas-Triton (see block_fp8_matmul/pallas_triton.py). FP8
+K/V are dequantized to f32 before the dots, so the kernel needs no FP8 MMA.
 """
 
 from __future__ import annotations
@@ -84,10 +85,3 @@ def paged_attention_pallas(q, k_pages, v_pages, k_scale, v_scale, block_tables, 
     )(block_tables.astype(jnp.int32), qg, pos, k_pages, v_pages, k_scale, v_scale)
     out = out.reshape(B, K, Tp, Rp, D)[:, :, :T, :R].transpose(0, 2, 1, 3, 4)
     return out.reshape(B, T, N, D)
-
-
-def paged_attention_reference(q, k_pages, v_pages, k_scale, v_scale, block_tables, positions):
-    """The XLA path: the model's blocked online-softmax attention over the pages (layers.paged_attention_blocks)."""
-    from ernie_jax.model.layers import paged_attention_blocks
-    B, T, N, D = q.shape
-    return paged_attention_blocks(q, k_pages, v_pages, k_scale, v_scale, block_tables, positions).reshape(B, T, N, D)

@@ -1,0 +1,32 @@
+"""Block-FP8 matmul with FastDeploy w8a8 numerics: x [M, K] @ W [K, N] -> [M, N] in x's dtype.
+
+W is block-FP8 (quant.BlockFP8: e4m3 values [K, N], or [N, K] when k_major, and f32 scales per 128 x 128
+block). Implementations, preferred first: the Pallas-Triton kernel (pallas_triton.py; FP8 MMAs, so compute
+capability 8.9+), then the XLA reference (quant.fp8_linear in w8a8 mode), which runs anywhere.
+"""
+
+from __future__ import annotations
+
+from ernie_jax.ops.base import Implementation, Op, Platform, kernel_platform
+from ernie_jax.ops.block_fp8_matmul.pallas_triton import block_fp8_matmul_pallas
+from ernie_jax.quant import BlockFP8, fp8_linear
+
+
+def reference(x, w_q, w_scale, k_major: bool = False, platform: Platform | None = None):
+    return fp8_linear(x, BlockFP8(w_q, w_scale, k_major=k_major), "w8a8")
+
+
+def _pallas(x, w_q, w_scale, k_major: bool = False, platform: Platform | None = None):
+    return block_fp8_matmul_pallas(x, w_q, w_scale, k_major, interpret=platform is None or platform.interpret)
+
+
+OP = Op("block_fp8_matmul", (
+    Implementation("pallas_triton", _pallas, kernel_platform(need_fp8_mma=True), kernel=True),
+    Implementation("xla", reference),
+))
+
+
+def block_fp8_matmul(x, w_q, w_scale, k_major: bool = False, *, implementation: str = "xla",
+                     platform: Platform | None = None):
+    """x [M, K] (bf16/f32); w_q [K, N] e4m3 ([N, K] when k_major); w_scale [ceil(K/128), ceil(N/128)] f32."""
+    return OP.get(implementation).fn(x, w_q, w_scale, k_major, platform)

@@ -1,0 +1,33 @@
+"""Grouped block-FP8 matmul for MoE experts: rows of x [M, K] sorted by group, group g times block-FP8 w[g].
+
+group_sizes [G] say how many rows each group has; rows past their sum produce zeros (lax.ragged_dot's
+contract). Implementations, preferred first: the Pallas-Triton kernel (pallas_triton.py; FP8 MMAs), then
+the XLA reference (quant.fp8_ragged_dot in w8a8 mode).
+"""
+
+from __future__ import annotations
+
+from ernie_jax.ops.base import Implementation, Op, Platform, kernel_platform
+from ernie_jax.ops.grouped_fp8_matmul.pallas_triton import grouped_block_fp8_matmul_pallas
+from ernie_jax.quant import BlockFP8, fp8_ragged_dot
+
+
+def reference(x, w_q, w_scale, group_sizes, k_major: bool = False, platform: Platform | None = None):
+    return fp8_ragged_dot(x, BlockFP8(w_q, w_scale, k_major=k_major), group_sizes, "w8a8").astype(x.dtype)
+
+
+def _pallas(x, w_q, w_scale, group_sizes, k_major: bool = False, platform: Platform | None = None):
+    return grouped_block_fp8_matmul_pallas(x, w_q, w_scale, group_sizes, k_major,
+                                           interpret=platform is None or platform.interpret)
+
+
+OP = Op("grouped_fp8_matmul", (
+    Implementation("pallas_triton", _pallas, kernel_platform(need_fp8_mma=True), kernel=True),
+    Implementation("xla", reference),
+))
+
+
+def grouped_fp8_matmul(x, w_q, w_scale, group_sizes, k_major: bool = False, *, implementation: str = "xla",
+                       platform: Platform | None = None):
+    """x [M, K]; w_q [G, K, N] e4m3 ([G, N, K] when k_major); w_scale [G, ceil(K/128), ceil(N/128)] -> [M, N]."""
+    return OP.get(implementation).fn(x, w_q, w_scale, group_sizes, k_major, platform)

@@ -1,0 +1,51 @@
+"""Causal GQA attention over a paged KV cache: chunked prefill (T query tokens) and decode (T = 1).
+
+q [B,T,N,D] at positions [B,T] (-1: padding); k_pool, v_pool [P,page,K,D] (bf16, its uint16 bits
+(storage.py), or fp8 with scales [P,page,K]); tables [B,n] -> [B,T,N*D] in q's dtype. Implementations,
+preferred first: the Pallas-Triton kernel (GPU), the XLA:CPU block-diagonal decode form (xla_cpu.py), the
+XLA reference (reference.py: blocked online softmax, slots grouped by KV head).
+`block_slots`: key slots per step of the XLA forms' loop (None: the whole table in one block, what a mesh
+needs; `constrain` then pins each gathered block's sharding).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax.numpy as jnp
+
+from ernie_jax.ops.base import Implementation, Op, Platform, kernel_platform, only_on
+from ernie_jax.ops.paged_attention.pallas_triton import paged_attention_pallas
+from ernie_jax.ops.paged_attention.reference import blocked_attention
+from ernie_jax.ops.paged_attention.storage import BF16_BITS
+from ernie_jax.ops.paged_attention.xla_cpu import paged_attention_xla_cpu
+
+
+def _pallas(q, k_pool, v_pool, k_scale, v_scale, tables, positions, *, block_slots, constrain, platform):
+    if k_pool.dtype == jnp.dtype(BF16_BITS):
+        raise ValueError("the paged attention kernel reads bf16 or fp8 pools, not uint16 bits (storage.py)")
+    B, T, N, D = q.shape
+    return paged_attention_pallas(q, k_pool, v_pool, k_scale, v_scale, tables, positions,
+                                  interpret=platform is None or platform.interpret).reshape(B, T, N * D)
+
+
+def _xla_cpu(*args, block_slots, constrain, platform):
+    return paged_attention_xla_cpu(*args, block_slots=block_slots, constrain=constrain)
+
+
+def _reference(*args, block_slots, constrain, platform):
+    return blocked_attention(*args, block_slots=block_slots, constrain=constrain)
+
+
+OP = Op("paged_attention", (
+    Implementation("pallas_triton", _pallas, kernel_platform(need_fp8_mma=False), kernel=True),
+    Implementation("xla_cpu", _xla_cpu, only_on("cpu", "the block-diagonal decode form is tuned for XLA:CPU")),
+    Implementation("xla", _reference),
+))
+
+
+def paged_attention(q, k_pool, v_pool, k_scale, v_scale, tables, positions, *, implementation: str = "xla",
+                    block_slots: int | None = 64, constrain: Callable = lambda x: x,
+                    platform: Platform | None = None):
+    return OP.get(implementation).fn(q, k_pool, v_pool, k_scale, v_scale, tables, positions,
+                                     block_slots=block_slots, constrain=constrain, platform=platform)
