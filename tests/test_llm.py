@@ -97,13 +97,13 @@ def test_bad_sampling_params(kwargs, name):
 
 
 def test_bad_requests():
-    llm = LLM(tiny().model, max_model_len=32, max_num_seqs=4)
+    llm = tiny()  # max_model_len 64
     with pytest.raises(RequestError, match="prompt 1: the prompt is empty"):
         llm.generate(prompt_token_ids=[[1, 2], []])
-    with pytest.raises(RequestError, match="max_model_len is 32"):
-        llm.generate(prompt_token_ids=[list(range(40))])
+    with pytest.raises(RequestError, match="max_model_len is 64"):
+        llm.generate(prompt_token_ids=[list(range(70))])
     with pytest.raises(RequestError, match="exceed max_model_len"):
-        llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=30))
+        llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=62))
     with pytest.raises(RequestError, match="outside"):
         llm.generate(prompt_token_ids=[[1, 5000]])
     with pytest.raises(RequestError, match="tokenizer"):

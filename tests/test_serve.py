@@ -102,6 +102,9 @@ def test_start_up_log_and_models(server, client):
         log = f.read()
     assert "mesh split: prefill on devices [0,1,2,3], decode on devices [4,5,6,7]" in log
     assert re.search(r"compiled \d+ programs", log) and "block-FP8" in log
+    # which implementation each op runs, and why the kernels were passed over on this CPU
+    assert "op paged_attention: xla_cpu (not used: pallas_triton: a Pallas-Triton GPU kernel" in log
+    assert "op block_fp8_matmul: xla" in log and "op ep_dispatch: replicated" in log
     assert re.search(rf"serving '{EMBEDDED_MODEL_NAME}' at {server['url']}/v1 \(ready [\d.]+ s after launch\)", log)
     assert [m.id for m in client.models.list().data] == [EMBEDDED_MODEL_NAME]
     assert httpx.get(server["url"] + "/health").status_code == 200
@@ -370,7 +373,7 @@ def test_metrics(server):
                  "ernie_jax:e2e_request_latency_seconds_count", "ernie_jax:request_queue_time_seconds_count",
                  "ernie_jax:generation_tokens_total"):
         assert metric(m, name) > 0, name
-    assert metric(m, "ernie_jax:requests_total", outcome="length") > 64
+    assert metric(m, "ernie_jax:requests_total", outcome="length") > 0
     assert metric(m, "ernie_jax:requests_total", outcome="rejected_invalid") >= len(BAD)
     layers = {re.search(r'layer="(\d+)"', k).group(1) for k in m if k.startswith("ernie_jax:moe_expert_tokens")}
     assert layers == {"1", "2", "3", "4", "5"}  # the embedded model's MoE layers

@@ -11,6 +11,7 @@ from flax import nnx
 
 from ernie_jax import ErnieConfig, ErnieForCausalLM, load_pretrained
 from ernie_jax.model.forward import decoder_layer
+from ernie_jax.ops import REFERENCE, ExecutionConfig, Platform
 from ernie_jax.model.weights import abstract_weights
 from ernie_jax.sharding import MeshError, ShardingError, ShardingPlan, make_mesh
 from tests.conftest import GOLDEN
@@ -127,9 +128,9 @@ def test_skewed_routing_drops_nothing_under_ep(dispatch):
     np.testing.assert_allclose(np.asarray(sharded(ids_tok)), np.asarray(skewed(ids_tok)), atol=1e-5)
 
 
-def traced_moe_layer(mesh: str):
-    """The tiny config's bf16 MoE decoder layer under EP on `mesh`, traced from abstract shapes (8 x 4 tokens)
-    -> (traced, the layer's abstract weights)."""
+def traced_moe_layer(mesh: str, ex=REFERENCE):
+    """The tiny config's bf16 MoE decoder layer under EP on `mesh` with the execution config `ex`, traced
+    from abstract shapes (8 x 4 tokens) -> (traced, the layer's abstract weights)."""
     cfg = ErnieConfig.preset("tiny")
     plan = ShardingPlan.create(make_mesh(mesh))
     w = abstract_weights(cfg, jnp.bfloat16)["segments"][1]
@@ -137,7 +138,7 @@ def traced_moe_layer(mesh: str):
     layer = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), layer, plan.shardings(layer))
     x = jax.ShapeDtypeStruct((8, 4, cfg.hidden_size), jnp.bfloat16)
     pos = jax.ShapeDtypeStruct((8, 4), jnp.int32)
-    return jax.jit(lambda h, w, p: decoder_layer(h, w, "moe", cfg, p, plan=plan)[0]).trace(x, layer, pos), layer
+    return jax.jit(lambda h, w, p: decoder_layer(h, w, "moe", cfg, p, plan=plan, ex=ex)[0]).trace(x, layer, pos), layer
 
 
 def test_ep_moe_has_no_expert_weight_all_gather_on_gpu_lowering():
@@ -152,10 +153,13 @@ def test_ep_moe_has_no_expert_weight_all_gather_on_gpu_lowering():
             assert f"[{E},{H},{F2}]" not in line and f"{E},{F2 // 2},{H}" not in line, line
 
 
-def test_all_to_all_ep_lowers_to_ragged_all_to_all_on_gpu(all_to_all):
-    """Lowered for CUDA, the all-to-all dispatch uses the real ragged all-to-all (twice: rows out, results
-    back), and the only all-gathers are of routing counts and of the [T/n, H] outputs, never expert weights."""
-    traced, layer = traced_moe_layer("data=1,expert=8,tensor=1")
+def test_all_to_all_ep_lowers_to_ragged_all_to_all_on_gpu():
+    """Lowered for CUDA with the dispatch a GPU selects, the all-to-all dispatch uses the real ragged
+    all-to-all (twice: rows out, results back), and the only all-gathers are of routing counts and of the
+    [T/n, H] outputs, never expert weights."""
+    gpu = ExecutionConfig.select(Platform("gpu", (9, 0)), "xla")
+    assert gpu.ep_dispatch == "all_to_all"
+    traced, layer = traced_moe_layer("data=1,expert=8,tensor=1", gpu)
     hlo = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert hlo.count("ragged_all_to_all") == 2
     E, H, F2 = layer["experts_up_gate"].shape
