@@ -42,6 +42,21 @@ def test_block_fp8_matmul(M, K, N, dtype):
     assert _rel(out, ref) < (1e-6 if dtype == jnp.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("M", [1, 16])
+def test_decode_sized_matmul_splits_k(M):
+    """Decode-sized M shares the K blocks out over several programs (split-K) and adds their f32 partial
+    sums: the reference's result, for [K, N] and K-major weights."""
+    from ernie_jax.ops.block_fp8_matmul.pallas_triton import k_splits
+    K, N = 2048, 256
+    assert k_splits(tiles=N // 128, n_kb=K // 128) == 4
+    x = jax.random.normal(jax.random.key(M), (M, K))
+    w = quantize_block_fp8(jax.random.normal(jax.random.key(K), (K, N)) * 0.05)
+    ref = block_fp8_matmul(x, w.values, w.scales, implementation="xla")
+    t = w.relayout(True)
+    assert _rel(block_fp8_matmul(x, w.values, w.scales, implementation=PALLAS), ref) < 1e-5
+    assert _rel(block_fp8_matmul(x, t.values, t.scales, True, implementation=PALLAS), ref) < 1e-5
+
+
 @pytest.mark.parametrize("M, K, N", [(7, 200, 136), (33, 384, 256), (5, 256, 256)])
 @pytest.mark.parametrize("impl", [PALLAS, "xla"])
 def test_block_fp8_matmul_k_major(M, K, N, impl):
@@ -109,6 +124,25 @@ def test_paged_decode_attention(fp8, N, K):
     out = paged_decode(q, kp, vp, ks, vs, tables, lengths, PALLAS)
     for impl in ("xla", "xla_cpu"):
         assert _rel(out, paged_decode(q, kp, vp, ks, vs, tables, lengths, impl)) < 1e-5
+
+
+def test_split_kv_decode_attention():
+    """Decode splits each sequence's pages over several programs (flash-decoding) and merges their partial
+    softmaxes: with sequences of very different lengths (some splits past a sequence's end hold nothing)
+    and a padding row, the unsplit reference's result."""
+    from ernie_jax.ops.paged_attention.pallas_triton import kv_splits
+    B, N, K, D, P, page, n = 2, 8, 2, 64, 20, 8, 8
+    assert kv_splits(B, K, n) == n  # a split per page here
+    rng = np.random.default_rng(7)
+    q = jnp.asarray(rng.standard_normal((B + 1, N, D)), jnp.float32)
+    kp = jnp.asarray(rng.standard_normal((P, page, K, D)), jnp.float32)
+    vp = jnp.asarray(rng.standard_normal((P, page, K, D)), jnp.float32)
+    tables = jnp.asarray([[3, 7, 1, 9, 11, 13, 15, 17], [5, 2, 0, 0, 0, 0, 0, 0], [4, 6, 8, 10, 0, 0, 0, 0]],
+                         jnp.int32)
+    lengths = jnp.asarray([61, 3, 0], jnp.int32)  # the last row is padding (position -1)
+    out = paged_decode(q, kp, vp, None, None, tables, lengths, PALLAS)
+    ref = paged_decode(q, kp, vp, None, None, tables, lengths, "xla")
+    assert _rel(out[:2], ref[:2]) < 1e-5 and np.isfinite(np.asarray(out)).all()
 
 
 @pytest.mark.parametrize("impl", ["xla", "xla_cpu"])

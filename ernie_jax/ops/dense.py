@@ -29,7 +29,7 @@ def linear(x: jax.Array, w, mm: Matmuls = Matmuls()) -> jax.Array:
     if isinstance(w, BlockFP8):
         if w.compute == "w8a8" and w.values.ndim == 2:
             y = block_fp8_matmul(x.reshape(-1, x.shape[-1]), w.values, w.scales, w.k_major,
-                                 implementation=mm.block_fp8, platform=mm.platform)
+                                 implementation=mm.block_fp8, platform=mm.platform, block=w.block)
             return y.reshape(*x.shape[:-1], y.shape[-1])
         return fp8_linear(x, w)
     return jnp.einsum("...i,io->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)

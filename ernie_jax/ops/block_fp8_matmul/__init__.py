@@ -7,13 +7,13 @@ capability 8.9+), then the XLA reference (quant.fp8_linear in w8a8 mode), which 
 
 from __future__ import annotations
 
-from ernie_jax.ops.base import Implementation, Op, Platform, kernel_platform
-from ernie_jax.ops.block_fp8_matmul.pallas_triton import block_fp8_matmul_pallas
+from ernie_jax.ops.base import Implementation, Op, Platform, kernel_platform, note_fallback
+from ernie_jax.ops.block_fp8_matmul.pallas_triton import BK, block_fp8_matmul_pallas
 from ernie_jax.quant import BlockFP8, fp8_linear
 
 
-def reference(x, w_q, w_scale, k_major: bool = False, platform: Platform | None = None):
-    return fp8_linear(x, BlockFP8(w_q, w_scale, k_major=k_major), "w8a8")
+def reference(x, w_q, w_scale, k_major: bool = False, platform: Platform | None = None, block: int = BK):
+    return fp8_linear(x, BlockFP8(w_q, w_scale, block=block, k_major=k_major), "w8a8")
 
 
 def _pallas(x, w_q, w_scale, k_major: bool = False, platform: Platform | None = None):
@@ -27,6 +27,11 @@ OP = Op("block_fp8_matmul", (
 
 
 def block_fp8_matmul(x, w_q, w_scale, k_major: bool = False, *, implementation: str = "xla",
-                     platform: Platform | None = None):
-    """x [M, K] (bf16/f32); w_q [K, N] e4m3 ([N, K] when k_major); w_scale [ceil(K/128), ceil(N/128)] f32."""
+                     platform: Platform | None = None, block: int = 128):
+    """x [M, K] (bf16/f32); w_q [K, N] e4m3 ([N, K] when k_major); w_scale [ceil(K/block), ceil(N/block)] f32.
+    The kernel's tiles are 128 x 128 scale blocks; another block size takes the reference, and says so."""
+    if block != BK:
+        if OP.get(implementation).kernel:
+            note_fallback(OP.name, implementation, f"scale blocks of {block}, the kernel's are {BK}")
+        return reference(x, w_q, w_scale, k_major, platform, block)
     return OP.get(implementation).fn(x, w_q, w_scale, k_major, platform)

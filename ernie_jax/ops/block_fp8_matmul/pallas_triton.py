@@ -3,7 +3,9 @@
 y[t, o] = sum over 128-wide K blocks kb of (x_q[t, kb] . w_q[kb, o]) * x_scale[t, kb] * w_scale[kb, o // 128]:
 the activation tile is quantized to e4m3 per token per 128 channels inside the kernel, each K block is an
 FP8 x FP8 product accumulated in f32, then promoted by the two scales (Hopper has no block-scaled MMA, so
-the promotion is per K block, DeepGEMM style). Output in the activation dtype.
+the promotion is per K block, DeepGEMM style). Output in the activation dtype. Decode-sized M (16 rows or
+fewer) splits the K blocks over several programs (split-K, `k_splits`) so that the few output tiles of a
+decode step still fill the GPU; their f32 partial sums are added in XLA.
 
 Backend: Pallas-Triton. Mosaic GPU is JAX's supported GPU backend, but an FP8 wgmma kernel there needs a
 warp-specialised TMA pipeline and K-contiguous ([N, K]) weights, and its CPU interpreter is a private API;
@@ -57,15 +59,24 @@ def weight_tile_dot(xq, w_ref, lead: tuple, kb, j, k_major: bool):
     return jnp.dot(xq, w, preferred_element_type=jnp.float32)
 
 
-def _kernel(x_ref, w_ref, ws_ref, o_ref, *, n_kb: int, bm: int, k_major: bool):
-    i, j = pl.program_id(0), pl.program_id(1)
+def _kernel(x_ref, w_ref, ws_ref, o_ref, *, n_kb: int, bm: int, k_major: bool, kb_per_split: int):
+    """One (row tile, column tile) over the K blocks of split program_id(2) (all of them when unsplit)."""
+    i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
     def body(kb, acc):
         xq, xs = quantize_tile(x_ref[pl.ds(i * bm, bm), pl.ds(kb * BK, BK)].astype(jnp.float32))
         return acc + weight_tile_dot(xq, w_ref, (), kb, j, k_major) * xs * ws_ref[kb, j]
 
-    acc = lax.fori_loop(0, n_kb, body, jnp.zeros((bm, BN), jnp.float32))
+    first = s * kb_per_split
+    acc = lax.fori_loop(first, jnp.minimum(first + kb_per_split, n_kb), body, jnp.zeros((bm, BN), jnp.float32))
     o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def k_splits(tiles: int, n_kb: int, programs: int = 256, min_blocks: int = 4) -> int:
+    """K splits for a matmul of `tiles` output tiles: decode-sized M leaves few tiles (one row tile times
+    N/128), so the K blocks are shared out until there are about `programs` programs, each summing at least
+    `min_blocks` K blocks; the f32 partial sums are added afterwards."""
+    return max(1, min(n_kb // min_blocks, -(-programs // tiles)))
 
 
 def pad_operands(x, w_q, w_scale, bm: int, k_major: bool):
@@ -86,13 +97,17 @@ def block_fp8_matmul_pallas(x, w_q, w_scale, k_major: bool = False, interpret: b
     M, N = x.shape[0], w_q.shape[0 if k_major else 1]
     bm = _block_m(M)
     xp, wp, ws, Np = pad_operands(x, w_q, w_scale, bm, k_major)
+    n_kb, tiles = xp.shape[1] // BK, (xp.shape[0] // bm) * (Np // BN)
+    splits = k_splits(tiles, n_kb) if M <= 16 else 1
+    kps = -(-n_kb // splits)
     out = pl.pallas_call(
-        functools.partial(_kernel, n_kb=xp.shape[1] // BK, bm=bm, k_major=k_major),
-        out_shape=jax.ShapeDtypeStruct((xp.shape[0], Np), x.dtype),
-        grid=(xp.shape[0] // bm, Np // BN),
+        functools.partial(_kernel, n_kb=n_kb, bm=bm, k_major=k_major, kb_per_split=kps),
+        out_shape=jax.ShapeDtypeStruct((splits, xp.shape[0], Np), jnp.float32 if splits > 1 else x.dtype),
+        grid=(xp.shape[0] // bm, Np // BN, splits),
         in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * 3,
-        out_specs=pl.BlockSpec((bm, BN), lambda i, j: (i, j)),
+        out_specs=pl.BlockSpec((None, bm, BN), lambda i, j, s: (s, i, j)),
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=3),
         interpret=interpret,
     )(xp, wp, ws)
+    out = jnp.sum(out, axis=0).astype(x.dtype) if splits > 1 else out[0]
     return out[:M, :N]

@@ -14,7 +14,7 @@ from typing import Callable
 
 import jax.numpy as jnp
 
-from ernie_jax.ops.base import Implementation, Op, Platform, kernel_platform, only_on
+from ernie_jax.ops.base import Implementation, Op, Platform, kernel_platform, note_fallback, only_on
 from ernie_jax.ops.paged_attention.pallas_triton import paged_attention_pallas
 from ernie_jax.ops.paged_attention.reference import blocked_attention
 from ernie_jax.ops.paged_attention.storage import BF16_BITS
@@ -47,5 +47,9 @@ OP = Op("paged_attention", (
 def paged_attention(q, k_pool, v_pool, k_scale, v_scale, tables, positions, *, implementation: str = "xla",
                     block_slots: int | None = 64, constrain: Callable = lambda x: x,
                     platform: Platform | None = None):
+    D = q.shape[-1]
+    if OP.get(implementation).kernel and D & (D - 1):  # Triton tiles are powers of two
+        note_fallback(OP.name, implementation, f"head dim {D} is not a power of two")
+        implementation = "xla_cpu" if platform is not None and platform.backend == "cpu" else "xla"
     return OP.get(implementation).fn(q, k_pool, v_pool, k_scale, v_scale, tables, positions,
                                      block_slots=block_slots, constrain=constrain, platform=platform)

@@ -22,7 +22,7 @@ def ragged_dot(x: jax.Array, w, group_sizes: jax.Array, mm: Matmuls) -> jax.Arra
     if isinstance(w, BlockFP8):
         if w.compute == "w8a8":
             return grouped_fp8_matmul(x, w.values, w.scales, group_sizes, w.k_major, implementation=mm.grouped_fp8,
-                                      platform=mm.platform)
+                                      platform=mm.platform, block=w.block)
         return fp8_ragged_dot(x, w, group_sizes)
     return lax.ragged_dot(x, w.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
 
