@@ -7,8 +7,11 @@ Each op's __init__ lists its implementations in order of preference, each saying
 chosen kernels against their references on the device at start-up. Ops import nothing from the model.
 """
 
+import jax
+
 from ernie_jax.ops.base import Platform
 from ernie_jax.ops.execution import REFERENCE, ExecutionConfig
+from ernie_jax.quant import BlockFP8
 
 __all__ = ["REFERENCE", "ExecutionConfig", "Platform", "kernel_layout"]
 
@@ -16,10 +19,6 @@ __all__ = ["REFERENCE", "ExecutionConfig", "Platform", "kernel_layout"]
 def kernel_layout(weights):
     """The weights pytree with its w8a8 block-FP8 matrices stored K-major, the layout the FP8 kernels' MMAs
     read without a transpose (block_fp8_matmul/pallas_triton.py)."""
-    import jax
-
-    from ernie_jax.quant import BlockFP8
-
     def relay(w):
         return w.relayout(True) if isinstance(w, BlockFP8) and w.compute == "w8a8" else w
     return jax.tree.map(relay, weights, is_leaf=lambda x: isinstance(x, BlockFP8))

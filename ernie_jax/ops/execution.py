@@ -38,7 +38,6 @@ class ExecutionConfig:
     expert_tile_rows: int = 256
     sorted_tile_rows: int = 128
     attention_block_slots: int = 64  # key slots per step of the XLA paged-attention loop
-    kv_bf16_bits: bool = False  # store bf16 KV pools as uint16 bits (ops/paged_attention/storage.py)
     passed_over: tuple[tuple[str, str, str], ...] = ()  # (op, implementation, why) for the report
 
     def __post_init__(self):
@@ -62,13 +61,17 @@ class ExecutionConfig:
         fields = dict(platform=platform, kernels=kernels, **chosen,
                       ep_dispatch="replicated" if platform.backend == "cpu" else "all_to_all")
         fields.update(overrides)
-        attention_kernel = OPS["paged_attention"].get(fields["paged_attention"]).kernel
-        fields.setdefault("kv_bf16_bits", platform.backend == "cpu" and not attention_kernel)
         fields.setdefault("passed_over", tuple(passed))
         return cls(**fields)
 
     def uses_kernel(self, op: str) -> bool:
         return OPS[op].get(getattr(self, op)).kernel
+
+    @property
+    def kv_bf16_bits(self) -> bool:
+        """Whether bf16 KV pools are stored as uint16 bits (ops/paged_attention/storage.py): on XLA:CPU, unless
+        the attention kernel (which reads bf16) runs."""
+        return self.platform.backend == "cpu" and not self.uses_kernel("paged_attention")
 
     @property
     def kernel_layout(self) -> bool:
@@ -88,10 +91,7 @@ class ExecutionConfig:
         current = getattr(self, op)
         nxt, skipped = OPS[op].choose(self.platform, self.kernels, after=current)
         passed = self.passed_over + ((op, current, why),) + tuple((op, i, w) for i, w in skipped)
-        changes = {op: nxt, "passed_over": passed}
-        if op == "paged_attention":
-            changes["kv_bf16_bits"] = self.platform.backend == "cpu" and not OPS[op].get(nxt).kernel
-        return dataclasses.replace(self, **changes)
+        return dataclasses.replace(self, **{op: nxt, "passed_over": passed})
 
     def report(self) -> list[dict[str, str]]:
         """Per op: the implementation in use and why each preferred one was not used."""

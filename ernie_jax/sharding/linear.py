@@ -30,14 +30,14 @@ def _axes(entry) -> tuple[str, ...]:
 def fp8_linear_sharded(x: jax.Array, w: BlockFP8, plan: ShardingPlan, leaf: str, mm: Matmuls) -> jax.Array | None:
     """x [..., K] @ w [K, N] (the weights-pytree leaf `leaf`, placed by plan) through the block-FP8 kernel
     mm.block_fp8 per device -> [..., N] in x's dtype, or None when this layout cannot run it per device."""
-    why = _layout_problem(x, w, plan, leaf)
+    specs = plan.param_spec(leaf, w)
+    spec = plan.spec(LEAF_AXES[leaf], w.shape, leaf)  # [in, out] entries, whatever the storage layout
+    lead = tuple(plan.spec(("batch",) + (None,) * (x.ndim - 2), x.shape[:-1]))
+    why = _layout_problem(w, plan, specs, spec, lead)
     if why is not None:
         note_fallback("block_fp8_matmul", mm.block_fp8, f"{leaf} {w.shape} on mesh {dict(plan.mesh.shape)}: {why}")
         return None
-    specs = plan.param_spec(leaf, w)
-    spec = plan.spec(LEAF_AXES[leaf], w.shape, leaf)
     k_axes = _axes(spec[0])
-    lead = tuple(plan.spec(("batch",) + (None,) * (x.ndim - 2), x.shape[:-1]))
     x_spec, out_spec = P(*lead, spec[0]), P(*lead, spec[1])
 
     def local(x, values, scales):
@@ -49,16 +49,14 @@ def fp8_linear_sharded(x: jax.Array, w: BlockFP8, plan: ShardingPlan, leaf: str,
                          check_vma=False)(x, w.values, w.scales)
 
 
-def _layout_problem(x: jax.Array, w: BlockFP8, plan: ShardingPlan, leaf: str) -> str | None:
+def _layout_problem(w: BlockFP8, plan: ShardingPlan, specs, spec, lead) -> str | None:
+    """Why the kernel cannot run per device on this layout, or None."""
     if w.block != BLOCK or w.values.ndim != 2:
         return f"block {w.block}, {w.values.ndim}-d values"
-    specs = plan.param_spec(leaf, w)
-    spec = plan.spec(LEAF_AXES[leaf], w.shape, leaf)  # [in, out] entries, whatever the storage layout
     for dim, entry, scale_entry in zip(w.shape, spec, specs.scales):
         n = plan.size_of(_axes(entry))
         if n > 1 and ((dim // n) % BLOCK or _axes(scale_entry) != _axes(entry)):
             return f"a dimension of {dim} split {n} ways is not whole {BLOCK}-blocks per device"
-    lead = tuple(plan.spec(("batch",) + (None,) * (x.ndim - 2), x.shape[:-1]))
     if {a for e in lead for a in _axes(e)} & set(_axes(spec[0]) + _axes(spec[1])):
         return "the activation's batch split shares a mesh axis with the weight's"
     return None

@@ -50,6 +50,6 @@ def paged_attention(q, k_pool, v_pool, k_scale, v_scale, tables, positions, *, i
     D = q.shape[-1]
     if OP.get(implementation).kernel and D & (D - 1):  # Triton tiles are powers of two
         note_fallback(OP.name, implementation, f"head dim {D} is not a power of two")
-        implementation = "xla_cpu" if platform is not None and platform.backend == "cpu" else "xla"
+        implementation = OP.choose(platform, after=implementation)[0] if platform is not None else "xla"
     return OP.get(implementation).fn(q, k_pool, v_pool, k_scale, v_scale, tables, positions,
                                      block_slots=block_slots, constrain=constrain, platform=platform)
