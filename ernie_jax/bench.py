@@ -1,6 +1,6 @@
 """Benchmarks: `python -m ernie_jax.bench offline ...` (the offline engine, optionally against HF) and
 `python -m ernie_jax.bench serve ...` (a running OpenAI-compatible server, like `vllm bench serve`; see
-ernie_jax/serve_bench.py and `serve --help`).
+ernie_jax/serve_bench.py and `serve --help`), `prefix` and `capacity` (KV memory: ernie_jax/kv_bench.py).
 
     python -m ernie_jax.bench offline --model bench-512 --num-prompts 16 --input-len 128 --output-len 128 \\
         [--compare-hf] [--mesh 8 --prefill-devices 4] [--dtype float32]
@@ -21,6 +21,8 @@ import tempfile
 import time
 
 import numpy as np
+
+from ernie_jax import kv_bench
 
 
 def _percentiles(xs: list[float]) -> str:
@@ -144,7 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     off.add_argument("--compare-hf", action="store_true", help="also time HF transformers generate (needs torch)")
     off.add_argument("--repeats", type=int, default=3, help="timed runs per stack (alternating with HF)")
     sub.add_parser("serve", add_help=False, help="a running OpenAI-compatible server under load (`serve --help`)")
+    kv_bench.add_parsers(sub)
     args = ap.parse_args(argv)
+    if args.command != "offline":
+        return args.run(args)
     if args.mesh:
         n = 1
         for part in str(args.mesh).split(","):

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ernie_jax.config import PRESETS, ErnieConfig
-from ernie_jax.engine.engine import Engine, RequestError
+from ernie_jax.engine.engine import Engine
+from ernie_jax.engine.request import RequestError
 from ernie_jax.engine.outputs import CompletionOutput, RequestOutput, completion, request_output
 from ernie_jax.model import ErnieForCausalLM
 from ernie_jax.sampling import SamplingParams
@@ -52,7 +53,8 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 8, quantization: str | None = None,
                  fp8_compute: str = "w8a8", kv_cache_dtype: str = "auto", mesh: int | str | None = None,
                  prefill_devices: int | None = None, disaggregate: bool = True, sharding: str = "tp_ep",
-                 page_size: int = 16, num_pages: int | None = None, prefill_chunk: int = 512,
+                 page_size: int = 16, num_pages: int | None = None, gpu_memory_utilization: float | None = None,
+                 enable_prefix_caching: bool = True, prefill_chunk: int = 512,
                  compilation_cache_dir: str | None = "~/.cache/ernie_jax/xla", batch_invariant: bool = False,
                  background_compile: bool = False, kernels: str = "auto"):
         if dtype not in _DTYPES:
@@ -92,6 +94,8 @@ class LLM:
         self.model = decode_model  # the decode-side model (on the decode submesh under PD)
         self.engine = Engine(decode_model, prefill_model=prefill_model, max_num_seqs=max_num_seqs,
                              max_model_len=self.max_model_len, page_size=page_size, num_pages=num_pages,
+                             gpu_memory_utilization=gpu_memory_utilization,
+                             enable_prefix_caching=enable_prefix_caching,
                              prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype, eos_token_ids=frozenset(eos),
                              tokenizer=self.tokenizer, seed=seed, batch_invariant=batch_invariant,
                              background_compile=background_compile)

@@ -65,6 +65,7 @@ SLOW_CASES: dict[str, tuple[str, ...]] = {
     "test_tokenizer.py::test_llm_chat_and_text_stream": (),
     "test_multihost.py::test_two_processes_match_single_process": (),
     "test_notebooks.py::test_notebook_runs": (),
+    "test_kv_memory.py::test_greedy_unchanged_by_prefix_caching_and_preemption": ("single-auto",),
 }
 
 

@@ -82,7 +82,7 @@ def test_pd_programs_run_on_their_submeshes_and_pages_move_bit_identically():
         assert {d for s in jax.tree.leaves(compiled.input_shardings) for d in s.device_set} == set(devices[4:])
     rid = engine.add_request(list(range(5, 40)), SamplingParams(temperature=0, max_tokens=4))
     req = engine.requests[rid]
-    while not req.output_ids:
+    while req not in engine.running:  # prefilled, then moved once the decode pool gave it pages
         engine.step()
     src, dst = engine.transfer.last
     for s in range(len(engine.decoder.cache.k)):

@@ -77,6 +77,13 @@ def tokenizer():
     return Tokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
 
 
+def server_state(server) -> str:
+    """The server's exit status and log tail, for a failure message (a crash shows as a closed connection)."""
+    with open(server["log"]) as f:
+        tail = f.read()[-4000:]
+    return f"\nserver exit status: {server['proc'].poll()}\nserver log tail:\n{tail}"
+
+
 def metrics(url: str) -> dict[str, float]:
     """Prometheus text -> {'name{labels}': value}."""
     out = {}
@@ -392,7 +399,7 @@ def test_serve_benchmark_against_the_server(server, tmp_path):
                         "8", "--concurrency", "4", "--input-len", "32", "--output-len", "8", "--vocab-size", "3000",
                         "--goodput", "ttft:60000", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.returncode == 0, r.stdout + r.stderr + server_state(server)
     res = json.loads(out.read_text())
     assert res["completed"] == 8 and res["failed"] == 0 and res["total_output_tokens"] == 64
 

@@ -1,5 +1,6 @@
-"""The serving engine: paged KV pools, compiled prefill/decode programs, continuous batching."""
+"""The serving engine: paged KV pools, compiled prefill/decode programs, scheduling, continuous batching."""
 
-from ernie_jax.engine.engine import Engine, Request, RequestError
+from ernie_jax.engine.engine import Engine
+from ernie_jax.engine.request import Request, RequestError
 
 __all__ = ["Engine", "Request", "RequestError"]

@@ -15,7 +15,8 @@ import queue
 import threading
 from typing import AsyncIterator, Callable
 
-from ernie_jax.engine.engine import Engine, Request
+from ernie_jax.engine.engine import Engine
+from ernie_jax.engine.request import Request
 from ernie_jax.engine.outputs import RequestOutput, completion, request_output
 from ernie_jax.sampling import SamplingParams
 

@@ -1,25 +1,26 @@
 """The serving engine: continuous batching over paged KV pools, with prefill/decode disaggregation.
 
-`Engine.step()` admits waiting requests whose pages are free (FIFO), runs one prefill step (the oldest
-admitted request's next chunk, batched with the next ones whose chunks fit the same length bucket, up to
-`prefill_chunk` tokens: vLLM's max_num_batched_tokens), and one decode step for every running request;
-requests join and leave the decode batch at every step. Disaggregated (`prefill_devices` < mesh size):
-prefill runs on the first devices with its own copy of the weights and its own pool (room for one
-max_model_len prompt plus a batched step of short ones), decode on the rest; when a prompt is done its
-pages move to the decode pool in one batched transfer. Prefill and decode are dispatched before either
-result is read, so on disjoint devices they overlap. Colocated: both programs share one mesh and one pool.
+`Engine.step()` asks the scheduler (engine/scheduler.py: pages on demand, preemption, the prefix cache) for
+this step's work, then runs one prefill step (the oldest admitted request's next chunk, batched with the
+next ones whose chunks fit the same length bucket, up to `prefill_chunk` tokens: vLLM's
+max_num_batched_tokens) and one decode step for every running request; requests join and leave the decode
+batch at every step. Disaggregated (`prefill_model` given): prefill runs on its own devices with its own
+copy of the weights and its own pool (which holds the prefix cache), decode on the rest; when a prompt is
+done and the decode pool has its pages, they move there in one batched transfer. Prefill and decode are
+dispatched before either result is read, so on disjoint devices they overlap. Colocated: both programs
+share one mesh and one pool.
 While the decode batch is unchanged (and no request uses penalties, which count every token on the host), a
 decode step's sampled tokens feed the next decode step on the device before the host reads them, so the
 host's bookkeeping overlaps the device's next step; a request that stops meanwhile has that one extra step
-computed (inside its own reserved pages) and discarded.
+computed (inside its own pages) and discarded.
 A request stops on EOS (unless ignore_eos), a stop token or string, max_tokens or max_model_len; `abort`
 frees its pages at once. Bad requests raise `RequestError` at `add_request` and leave the engine serving.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
+import logging
 import threading
 import time
 from typing import Any, NamedTuple
@@ -27,13 +28,19 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from ernie_jax.engine.pages import PageAllocator
+from ernie_jax.engine.pages import PagePool
 from ernie_jax.engine.programs import (ModelPrograms, PageTransfer, buckets, decode_buckets, min_decode_rows,
                                        plain_sampling, prefill_shapes)
+from ernie_jax.engine.request import Request, RequestError, RequestMetrics
+from ernie_jax.engine.scheduler import Scheduler
 from ernie_jax.model.ernie import ErnieForCausalLM
 from ernie_jax.ops.base import FALLBACKS
 from ernie_jax.sampling import SamplingParams
 from ernie_jax.tokenizer import IncrementalDetokenizer
+
+__all__ = ["Engine", "Request", "RequestError", "CompileReport"]
+
+log = logging.getLogger("ernie_jax.engine")
 
 
 class Dispatched(NamedTuple):
@@ -43,56 +50,6 @@ class Dispatched(NamedTuple):
     result: Any  # sample()'s (tokens, logprobs, top ids, top logprobs), or None for a chunk mid-prompt
     t0: float  # dispatch time
     counts: Any  # tokens per expert per MoE layer
-
-
-class RequestError(ValueError):
-    """A prompt or request that cannot be served; the message says which one and why."""
-
-
-@dataclasses.dataclass
-class RequestMetrics:
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
-
-    @property
-    def queue_time(self) -> float | None:
-        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-
-@dataclasses.dataclass
-class Request:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    seed: int
-    metrics: RequestMetrics
-    output_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    prompt_logprobs: list[dict[str, Any] | None] = dataclasses.field(default_factory=list)  # None for token 0
-    pages: list[int] = dataclasses.field(default_factory=list)  # in the decode (or only) pool
-    prefill_pages: list[int] = dataclasses.field(default_factory=list)  # in the prefill pool when disaggregated
-    num_prefilled: int = 0
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    text: str | None = None  # with a tokenizer: the detokenized output (cut before a stop string)
-    detokenizer: Any = None  # IncrementalDetokenizer when the engine has a tokenizer
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def tpot(self) -> float | None:
-        m = self.metrics
-        if m.finished_time is None or m.first_token_time is None or len(self.output_ids) < 2:
-            return None
-        return (m.finished_time - m.first_token_time) / (len(self.output_ids) - 1)
 
 
 def _logprob_entry(token: int, logprob, top_ids, top_lps, n: int) -> dict[str, Any]:
@@ -109,49 +66,57 @@ class CompileReport(NamedTuple):
 class Engine:
     def __init__(self, model: ErnieForCausalLM, *, prefill_model: ErnieForCausalLM | None = None,
                  max_num_seqs: int = 8, max_model_len: int = 2048, page_size: int = 16,
-                 num_pages: int | None = None, prefill_chunk: int = 512, kv_cache_dtype: str = "auto",
+                 num_pages: int | None = None, gpu_memory_utilization: float | None = None,
+                 enable_prefix_caching: bool = True, prefill_chunk: int = 512, kv_cache_dtype: str = "auto",
                  eos_token_ids: frozenset[int] = frozenset(), tokenizer=None, seed: int = 0,
                  batch_invariant: bool = False, background_compile: bool = False):
         """model: the decode-side model (placed on its mesh). prefill_model: the same weights on a disjoint
         mesh for disaggregated prefill, or None to prefill with `model` (colocated).
+        num_pages: pages per pool (vLLM's num_gpu_blocks_override), else sized from device memory
+        (gpu_memory_utilization, default 0.9) or, where the devices report no memory limit (CPU),
+        max_num_seqs x max_model_len tokens.
         batch_invariant: decode every batch at one shape (max_num_seqs rows) and prefill one prompt at a
         time, so a request's tokens do not depend on what else is running. Matmul kernels pick their
         reduction order by shape, so with several batch shapes a near-tie in greedy decoding can resolve
         differently alone and in a batch.
         background_compile: return once the largest bucket of each program compiled; the others compile
         in the background (a server is up sooner; small batches run padded until their bucket is ready)."""
+        if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         self.cfg = model.config
         self.max_num_seqs, self.max_model_len, self.page_size = max_num_seqs, max_model_len, page_size
         self.max_pages = -(-max_model_len // page_size)
-        num_pages = num_pages or max_num_seqs * self.max_pages + 1
         self.prefill_chunk = min(prefill_chunk, self.max_pages * page_size)
         self.eos_token_ids, self.tokenizer = frozenset(eos_token_ids), tokenizer
         t0 = time.perf_counter()
         chunks = buckets(self.prefill_chunk, 16)
         batches = decode_buckets(max_num_seqs, min_decode_rows(model), batch_invariant)
-        self.decoder = ModelPrograms(model, num_pages=num_pages, page_size=page_size,
-                                     max_pages_per_seq=self.max_pages, kv_cache_dtype=kv_cache_dtype,
-                                     prefill_buckets=[] if prefill_model is not None else
-                                     prefill_shapes(chunks, prefill_chunk, 1 if batch_invariant else max_num_seqs),
-                                     decode_buckets=batches,
-                                     name="decode" if prefill_model is not None else "colocated",
-                                     batch_invariant=batch_invariant)
-        self.allocator = PageAllocator(num_pages, page_size)
+        prefills = prefill_shapes(chunks, prefill_chunk, 1 if batch_invariant else max_num_seqs)
+        pool = dict(num_pages=num_pages, page_size=page_size, max_pages_per_seq=self.max_pages,
+                    kv_cache_dtype=kv_cache_dtype, batch_invariant=batch_invariant,
+                    memory_utilization=gpu_memory_utilization,
+                    pages_without_memory_limit=max_num_seqs * self.max_pages + 1)
+        self.decoder = ModelPrograms(model, prefill_buckets=[] if prefill_model is not None else prefills,
+                                     decode_buckets=batches, name="decode" if prefill_model is not None else
+                                     "colocated", **pool)
         if prefill_model is not None:
-            # The prefill pool holds a prompt of max_model_len plus a full batched step's worth of short
-            # prompts (max_num_batched_tokens), so a burst of prompts prefills in batches there too; a
-            # prompt's pages are freed as soon as they have moved to the decode pool.
-            prefill_pages = self.max_pages + min(-(-prefill_chunk // page_size), max_num_seqs * self.max_pages) + 1
-            self.prefiller = ModelPrograms(prefill_model, num_pages=prefill_pages, page_size=page_size,
-                                           max_pages_per_seq=self.max_pages, kv_cache_dtype=kv_cache_dtype,
-                                           prefill_buckets=prefill_shapes(chunks, prefill_chunk,
-                                                                          1 if batch_invariant else max_num_seqs),
-                                           decode_buckets=[],
-                                           name="prefill", batch_invariant=batch_invariant)
-            self.prefill_allocator = PageAllocator(prefill_pages, page_size)
+            self.prefiller = ModelPrograms(prefill_model, prefill_buckets=prefills, decode_buckets=[],
+                                           name="prefill", **pool)
             self.transfer = PageTransfer(self.prefiller, self.decoder)
         else:
-            self.prefiller, self.prefill_allocator, self.transfer = self.decoder, None, None
+            self.prefiller, self.transfer = self.decoder, None
+        # The prefix cache's hash chain starts from what else decides a page's KV besides its tokens.
+        salt = f"kv {self.prefiller.cache.k[0].dtype} page {page_size}".encode()
+        self.allocator = PagePool(self.decoder.num_pages, page_size,
+                                  enable_caching=enable_prefix_caching and not self.disaggregated, salt=salt)
+        self.prefill_allocator = PagePool(self.prefiller.num_pages, page_size, enable_caching=enable_prefix_caching,
+                                          salt=salt) if self.disaggregated else None
+        self.scheduler = Scheduler(self.allocator, self.prefill_allocator, max_num_seqs=max_num_seqs,
+                                   max_pages=self.max_pages)
+        for name, p in (("KV", self.allocator), ("prefill KV", self.prefill_allocator)):
+            if p is not None and p.capacity < self.max_pages:
+                log.warning("the %s pool holds %d tokens, less than max_model_len %d: requests that may grow "
+                            "past it are rejected", name, p.capacity * page_size, max_model_len)
         programs = [self.decoder] + ([self.prefiller] if self.disaggregated else [])
         if background_compile:  # one thread, so serving keeps a core
             threading.Thread(target=lambda: [p.compile_rest(workers=1) for p in programs], daemon=True,
@@ -160,9 +125,6 @@ class Engine:
             for p in programs:
                 p.compile_rest()
         self.startup_seconds = time.perf_counter() - t0
-        self.waiting: list[Request] = []
-        self.prefilling: list[Request] = []
-        self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._rng = np.random.default_rng(seed)
@@ -177,6 +139,25 @@ class Engine:
     @property
     def disaggregated(self) -> bool:
         return self.transfer is not None
+
+    @property
+    def waiting(self) -> list[Request]:
+        return self.scheduler.waiting
+
+    @property
+    def prefilling(self) -> list[Request]:
+        return self.scheduler.prefilling
+
+    @property
+    def running(self) -> list[Request]:
+        return self.scheduler.running
+
+    @property
+    def pools(self) -> dict[str, PagePool]:
+        """The KV page pools by role: {"colocated": pool} or {"prefill": pool, "decode": pool}."""
+        if not self.disaggregated:
+            return {"colocated": self.allocator}
+        return {"prefill": self.prefill_allocator, "decode": self.allocator}
 
     @property
     def compile_report(self) -> "CompileReport":
@@ -201,6 +182,11 @@ class Engine:
         if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise RequestError(f"{len(prompt_ids)} prompt tokens + max_tokens {params.max_tokens} exceed "
                                f"max_model_len {self.max_model_len}")
+        longest = min(len(prompt_ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
+        if why := self.scheduler.check_fits(longest):
+            limit = f"max_tokens {params.max_tokens}" if params.max_tokens else f"max_model_len {self.max_model_len}"
+            raise RequestError(f"{len(prompt_ids)} prompt tokens with {limit}: {why}; lower max_tokens or "
+                               "give the server more KV pages (--num-gpu-blocks-override, --gpu-memory-utilization)")
         V = self.cfg.vocab_size
         bad = [t for t in list(params.logit_bias or ()) + params.stop_token_ids if not 0 <= t < V]
         if bad:
@@ -228,60 +214,33 @@ class Engine:
             self._finish(req, "abort", None)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running)
-
-    def _max_len(self, req: Request) -> int:
-        want = len(req.prompt_ids) + (req.params.max_tokens or self.max_model_len)
-        return min(want, self.max_model_len)
+        return self.scheduler.has_unfinished()
 
     def _finish(self, req: Request, reason: str, stop_reason) -> None:
         if req.detokenizer is not None and not isinstance(stop_reason, str):
             req.text = self.tokenizer.decode(req.output_ids)  # includes any bytes the stream held back
         req.finish_reason, req.stop_reason = reason, stop_reason
         req.metrics.finished_time = time.perf_counter()
-        for queue in (self.waiting, self.prefilling, self.running):
-            if req in queue:
-                queue.remove(req)
-        if req.pages:
-            self.allocator.release(req.pages)
-            req.pages = []
-        if req.prefill_pages:
-            self.prefill_allocator.release(req.prefill_pages)
-            req.prefill_pages = []
+        self.scheduler.finish(req)
         self.requests.pop(req.request_id, None)
 
     # ---- scheduling ---------------------------------------------------------------------------------------
-    def _admit(self) -> None:
-        while self.waiting and len(self.running) + len(self.prefilling) < self.max_num_seqs:
-            req = self.waiting[0]
-            need = self.allocator.pages_for(self._max_len(req))
-            prompt_pages = self.allocator.pages_for(len(req.prompt_ids))
-            if not self.allocator.can_allocate(need):
-                break
-            if self.disaggregated and not self.prefill_allocator.can_allocate(prompt_pages):
-                break
-            self.waiting.pop(0)
-            req.pages = self.allocator.allocate(need)
-            if self.disaggregated:
-                req.prefill_pages = self.prefill_allocator.allocate(prompt_pages)
-            req.metrics.first_scheduled_time = time.perf_counter()
-            self.prefilling.append(req)
+    def _next_chunk(self, req: Request) -> list[int]:
+        return req.prefill_ids[req.num_prefilled:req.num_prefilled + self.prefill_chunk]
 
     def _prefill_rows(self) -> tuple[list[tuple[Request, int, list[int]]], int, int]:
         """This step's prefill chunks: the oldest prefilling request's next chunk, joined by the next
         requests' chunks when a batched program (B > 1) of some length T holds them, up to its B (so at most
         max_num_batched_tokens tokens). Returns ([(request, start, chunk)], T, B)."""
-        def next_chunk(req):
-            return req.prompt_ids[req.num_prefilled:req.num_prefilled + self.prefill_chunk]
         first = self.prefilling[0]
-        T = self.prefiller.bucket("prefill", len(next_chunk(first)))
-        rows = [(first, first.num_prefilled, next_chunk(first))]
+        T = self.prefiller.bucket("prefill", len(self._next_chunk(first)))
+        rows = [(first, first.num_prefilled, self._next_chunk(first))]
         batched = [t for b, t in self.prefiller.ready["prefill"] if b > 1 and t >= T]
-        if first.params.prompt_logprobs is None and batched and len(self.prefilling) > 1:
+        if not first.scores_prompt and batched and len(self.prefilling) > 1:
             wide = min(batched)
             room = self.prefiller.prefill_batches(wide)[-1] - 1
-            others = [(r, r.num_prefilled, next_chunk(r)) for r in self.prefilling[1:]
-                      if r.params.prompt_logprobs is None and len(next_chunk(r)) <= wide][:room]
+            others = [(r, r.num_prefilled, self._next_chunk(r)) for r in self.prefilling[1:]
+                      if not r.scores_prompt and len(self._next_chunk(r)) <= wide][:room]
             if others:
                 T, rows = wide, rows + others
         return rows, T, next(b for b in self.prefiller.prefill_batches(T) if b >= len(rows))
@@ -289,8 +248,11 @@ class Engine:
     def _table(self, pages: list[int]) -> np.ndarray:
         return np.asarray(pages + [0] * (self.max_pages - len(pages)), np.int32)
 
-    def _sampling_arrays(self, reqs: list[Request], B: int, steps: list[int]) -> tuple[dict, int]:
+    def _sampling_arrays(self, reqs: list[Request], B: int) -> tuple[dict, int]:
+        """Per-row sampling inputs for the next token of each request (its index: len(output_ids), plus the
+        tokens in flight the caller adds to `steps`)."""
         pad = B - len(reqs)
+        steps = [len(r.output_ids) for r in reqs]
         f = lambda xs, fill=0.0: np.asarray(list(xs) + [fill] * pad, np.float32)  # noqa: E731
         p = [r.params for r in reqs]
         arrays = {"temperature": f(x.temperature for x in p), "top_p": f((x.top_p for x in p), 1.0),
@@ -337,11 +299,28 @@ class Engine:
                     return self._finish(req, "stop", s)
         if self._done_by_length(req, n_out):
             return self._finish(req, "length", None)
+        if req in self.running:
+            self.scheduler.written(req, req.num_tokens - 1)  # every token but the newest has been fed
+
+    def _make_room(self, touched: list[Request]) -> None:
+        """Pages for the running batch's next step (preempting if the pool is short), then, disaggregated,
+        move finished prompts whose decode pages are free into the decode pool."""
+        lag = 0 if self._ahead is None else 1  # tokens in flight per running request
+        if self.scheduler.shortfall(lag) > 0 and self._ahead is not None:
+            # A preemption changes the batch: the step in flight's tokens are needed on the host first.
+            self._read([self._ahead], touched)
+            self._ahead, lag = None, 0
+        self.scheduler.grow(lag)
+        if self.disaggregated:
+            for req, src in self.scheduler.hand_over():
+                self.transfer(src, req.pages[:len(src)])
+                self.scheduler.release_prefill(req)
 
     def step(self) -> list[Request]:
         """One scheduling step; returns the requests that got a token (or finished) in it."""
-        self._admit()
         touched: list[Request] = []
+        self._make_room(touched)
+        self.scheduler.admit(time.perf_counter())
         pending, scored = [], []
         if self.prefilling:
             rows, T, B = self._prefill_rows()
@@ -355,8 +334,8 @@ class Engine:
                 last[i] = len(chunk) - 1
             t0 = time.perf_counter()
             req, start, chunk = rows[0]
-            arrays, nlp = self._sampling_arrays([r for r, _, _ in rows], B, [0] * len(rows))
-            if req.params.prompt_logprobs is not None:  # a scored chunk runs alone
+            arrays, nlp = self._sampling_arrays([r for r, _, _ in rows], B)
+            if req.scores_prompt:  # a scored chunk runs alone
                 targets = req.prompt_ids[start + 1:start + 1 + len(chunk)]  # the token after each position
                 padded = np.asarray([targets + [0] * (T - len(targets))], np.int32)
                 logits, c, scores = self.prefiller.run_scored(ids, positions, last, tables, padded)
@@ -364,10 +343,10 @@ class Engine:
                 sampled = None
             else:
                 logits, c, sampled = self.prefiller.run("prefill", ids, positions, last, tables, arrays)
-            done = []  # rows whose prompt is now complete get their first token
+            done = []  # rows whose prompt is now complete get their next token
             for req, start, chunk in rows:
-                req.num_prefilled += len(chunk)
-                done.append(req if req.num_prefilled == len(req.prompt_ids) else None)
+                self.scheduler.prefilled(req, len(chunk))
+                done.append(req if req.num_prefilled == len(req.prefill_ids) else None)
             if any(done):
                 result = sampled if sampled is not None and plain_sampling(arrays, nlp) else \
                     self.prefiller.sample(logits, arrays, nlp)
@@ -388,11 +367,11 @@ class Engine:
                 ids = np.asarray([[r.output_ids[-1]] for r in reqs] + [[0]] * pad, np.int32)
             else:  # the step in flight's sampled tokens, still on the device
                 ids = ahead.result[0].reshape(B, 1)
-            positions = np.asarray([[len(r.prompt_ids) + len(r.output_ids) - 1 + lag] for r in reqs] + [[0]] * pad,
-                                   np.int32)
+            positions = np.asarray([[r.num_tokens - 1 + lag] for r in reqs] + [[0]] * pad, np.int32)
             tables = np.stack([self._table(r.pages) for r in reqs] + [self._table([])] * pad)
             last = np.asarray([0] * len(reqs) + [-1] * pad, np.int32)  # -1: a padding row, no real token
-            arrays, nlp = self._sampling_arrays(reqs, B, [len(r.output_ids) + lag for r in reqs])
+            arrays, nlp = self._sampling_arrays(reqs, B)
+            arrays["steps"][:len(reqs)] += lag
             t0 = time.perf_counter()
             logits, c, sampled = self.decoder.run("decode", ids, positions, last, tables, arrays)
             result = sampled if plain_sampling(arrays, nlp) else self.decoder.sample(logits, arrays, nlp)
@@ -432,15 +411,11 @@ class Engine:
             tokens, lps, top_ids, top_lps = jax.device_get(result)
             self.busy_seconds[kind] += time.perf_counter() - t0
             for i, req in enumerate(reqs):
-                if req is None or req.finished:  # a prefill row mid-prompt, or aborted meanwhile
+                # a prefill row mid-prompt, or a request aborted or preempted meanwhile
+                if req is None or req.finished or (kind == "decode" and req not in self.running):
                     continue
                 if kind == "prefill":
-                    self.prefilling.remove(req)
-                    if self.disaggregated:
-                        self.transfer(req.prefill_pages, req.pages[:len(req.prefill_pages)])
-                        self.prefill_allocator.release(req.prefill_pages)
-                        req.prefill_pages = []
-                    self.running.append(req)
+                    self.scheduler.prompt_done(req)
                 self._append(req, int(tokens[i]), lps[i], top_ids[i], top_lps[i])
                 touched.append(req)
 

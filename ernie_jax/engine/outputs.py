@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ernie_jax.engine.engine import Request
+from ernie_jax.engine.request import Request
 
 
 @dataclasses.dataclass
@@ -26,13 +26,15 @@ class RequestOutput:
     finished: bool = True
     metrics: dict | None = None  # queue_time, ttft, tpot (seconds)
     prompt_logprobs: list[dict | None] | None = None  # with SamplingParams.prompt_logprobs; None for token 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
 
 
 def request_output(req: Request, prompt: str | None, outputs: list[CompletionOutput], finished: bool) -> RequestOutput:
     m = req.metrics
     return RequestOutput(req.request_id, prompt, req.prompt_ids, outputs, finished,
                          {"queue_time": m.queue_time, "ttft": m.ttft, "tpot": req.tpot},
-                         list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None)
+                         list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None,
+                         req.num_cached_tokens)
 
 
 def completion(req: Request, index: int = 0) -> CompletionOutput:

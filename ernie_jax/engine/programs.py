@@ -178,11 +178,26 @@ def lower_step(jitted, weights, cache, replicated, B: int, T: int, max_pages: in
     return jitted.lower(weights, i32(B, T), i32(B, T), cache, i32(B), i32(B, max_pages), *args)
 
 
+def pages_in_memory(devices: list, page_bytes: int, utilization: float) -> int | None:
+    """KV pages of page_bytes (per device) that fit in `utilization` of every device's memory beside what is
+    resident already (the weights); None when the platform reports no memory limit (XLA:CPU)."""
+    stats = [d.memory_stats() for d in devices]
+    if any(s is None or "bytes_limit" not in s for s in stats):
+        return None
+    room = min(utilization * s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
+    return max(0, int(room // page_bytes))
+
+
 class ModelPrograms:
-    def __init__(self, model: ErnieForCausalLM, *, num_pages: int, page_size: int, max_pages_per_seq: int,
+    def __init__(self, model: ErnieForCausalLM, *, num_pages: int | None, page_size: int, max_pages_per_seq: int,
                  kv_cache_dtype: str, prefill_buckets: list[tuple[int, int]], decode_buckets: list[int], name: str,
-                 batch_invariant: bool = False):
-        """prefill_buckets: (B, T) shapes, with (1, T) for every chunk length T; decode_buckets: batch sizes."""
+                 batch_invariant: bool = False, memory_utilization: float | None = None,
+                 pages_without_memory_limit: int = 0):
+        """prefill_buckets: (B, T) shapes, with (1, T) for every chunk length T; decode_buckets: batch sizes.
+        num_pages: the pool's pages (the null page included), or None to size it from device memory:
+        memory_utilization (default 0.9, vLLM's) of each device's memory minus what is resident, or, where
+        the platform reports no memory limit, pages_without_memory_limit (and memory_utilization must not be
+        given). `pool_sizing` says which rule sized the pool."""
         self.cfg, self.plan, self.name, self.execution = model.config, model.plan, name, model.execution
         self.weights = model.weights()
         if platform(model) == "cpu":
@@ -198,9 +213,27 @@ class ModelPrograms:
         self.weights["rope_cache"] = jax.device_put(rope_cache(self.cfg, page_size * max_pages_per_seq),
                                                     self.replicated)
         dtype = pool_dtype(KV_CACHE_DTYPES[kv_cache_dtype] or model.dtype, self.execution.kv_bf16_bits)
+        shardings = lambda c: c.shardings(self.plan) if self.plan is not None else \
+            jax.tree.map(lambda _: self.replicated, c)  # noqa: E731
+        if num_pages is not None:
+            self.pool_sizing = "--num-gpu-blocks-override"
+        else:
+            n = 64  # pages of a probe pool (a multiple of any data-axis split of the pages)
+            probe = jax.eval_shape(lambda: KVCache.create(self.cfg, n, page_size, dtype))
+            page_bytes = sum(np.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
+                             for a, s in zip(jax.tree.leaves(probe), jax.tree.leaves(shardings(probe)))) / n
+            num_pages = pages_in_memory(self.devices, int(np.ceil(page_bytes)), memory_utilization or 0.9)
+            if num_pages is not None:
+                self.pool_sizing = f"{memory_utilization or 0.9:.2f} of device memory"
+            elif memory_utilization is not None:
+                raise ValueError(f"{name}: the {self.devices[0].platform} devices report no memory limit, so "
+                                 "gpu_memory_utilization cannot size the KV pool; give num_gpu_blocks_override")
+            else:
+                num_pages = pages_without_memory_limit
+                self.pool_sizing = "max_num_seqs x max_model_len (the devices report no memory limit)"
         cache = KVCache.create(self.cfg, num_pages, page_size, dtype)
-        self.cache_shardings = cache.shardings(self.plan) if self.plan is not None else \
-            jax.tree.map(lambda _: self.replicated, cache)
+        self.num_pages = num_pages
+        self.cache_shardings = shardings(cache)
         self.cache = jax.device_put(cache, self.cache_shardings)
         self.report: list[tuple[str, int, float]] = []
         w_shardings = jax.tree.map(lambda a: a.sharding, self.weights)

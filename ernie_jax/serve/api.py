@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ernie_jax.engine.async_engine import AsyncEngine, EngineError
-from ernie_jax.engine.engine import RequestError
+from ernie_jax.engine.request import RequestError
 from ernie_jax.engine.outputs import RequestOutput
 from ernie_jax.sampling import SamplingParams
 from ernie_jax.serve.metrics import ServerMetrics
@@ -232,6 +232,9 @@ async def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
             yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
     except (EngineError, RequestError) as e:
         yield f"data: {json.dumps(error_body(str(e), 500))}\n\n"
+    except Exception as e:  # noqa: BLE001 -- the client gets an error event, not a cut-off stream
+        log.exception("a streamed response failed")
+        yield f"data: {json.dumps(error_body(f'internal error while streaming: {e!r}', 500))}\n\n"
     yield "data: [DONE]\n\n"
 
 
@@ -255,9 +258,21 @@ class _Choices:
         return text[start:end], (c.logprobs or [])[lp_start:]
 
 
-def _usage(prompts_tokens: int, completion_tokens: int) -> dict:
+def _usage(prompts_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI's usage; cached_tokens: prompt tokens whose KV came from the prefix cache (per prompt, the most
+    any of its samples reused: the n samples of a prompt share its pages)."""
     return {"prompt_tokens": prompts_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompts_tokens + completion_tokens}
+            "total_tokens": prompts_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def _cached(outs: dict[int, RequestOutput] | list[RequestOutput], n: int) -> int:
+    """Cached prompt tokens of a request's outputs (by choice index): the most per prompt, summed."""
+    items = outs.items() if isinstance(outs, dict) else enumerate(outs)
+    per_prompt: dict[int, int] = {}
+    for index, out in items:
+        per_prompt[index // n] = max(per_prompt.get(index // n, 0), out.num_cached_tokens)
+    return sum(per_prompt.values())
 
 
 class _Format:
@@ -292,18 +307,21 @@ class _Format:
         opts = self.body.stream_options
         prompt_tokens: dict[int, int] = {}
         completion_tokens: dict[int, int] = {}
+        latest: dict[int, RequestOutput] = {}
         async for index, out in outputs:
+            latest[index] = out
             first = index not in choices.sent_tokens
             text, lps = choices.delta(index, out)
             prompt_tokens[index // params.n] = len(out.prompt_token_ids)
             completion_tokens[index] = len(out.outputs[0].token_ids)
-            usage = _usage(sum(prompt_tokens.values()), sum(completion_tokens.values())) \
+            usage = _usage(sum(prompt_tokens.values()), sum(completion_tokens.values()), _cached(latest, params.n)) \
                 if opts is not None and opts.continuous_usage_stats else None
             for chunk in self.chunks(index, out, text, lps, first):
                 yield self.envelope(self.chunk_object, [chunk], usage)
         if opts is not None and opts.include_usage:
             yield self.envelope(self.chunk_object, [], _usage(sum(prompt_tokens.values()),
-                                                              sum(completion_tokens.values())))
+                                                              sum(completion_tokens.values()),
+                                                              _cached(latest, params.n)))
 
 
 class _CompletionFormat(_Format):
@@ -352,7 +370,8 @@ class _CompletionFormat(_Format):
         choices = [self._choice(i, out, params) for i, out in enumerate(outs)]
         prompt_tokens = sum(len(p.ids) for p in self.prompts)
         completion_tokens = 0 if self.echo_only else sum(len(o.outputs[0].token_ids) for o in outs)
-        return self.envelope("text_completion", choices, _usage(prompt_tokens, completion_tokens))
+        return self.envelope("text_completion", choices, _usage(prompt_tokens, completion_tokens,
+                                                                _cached(outs, params.n)))
 
     def chunks(self, index: int, out: RequestOutput, text: str, lps: list[dict], first: bool) -> list[dict]:
         if self.echo_only:  # the prompt alone, once
@@ -386,7 +405,8 @@ class _ChatFormat(_Format):
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         prompt_tokens = len(outs[0].prompt_token_ids)
         return self.envelope("chat.completion", choices,
-                             _usage(prompt_tokens, sum(len(o.outputs[0].token_ids) for o in outs)))
+                             _usage(prompt_tokens, sum(len(o.outputs[0].token_ids) for o in outs),
+                                    _cached(outs, params.n)))
 
     def chunks(self, index: int, out: RequestOutput, text: str, lps: list[dict], first: bool) -> list[dict]:
         logprobs = self._logprobs(lps) if self.body.logprobs else None

@@ -49,7 +49,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       help="auto: the Pallas kernels where the device supports them and they pass a start-up self-check "
            "against their XLA references; pallas: force them (interpreted off GPUs); xla: none")
     a("--block-size", type=int, default=16, help="tokens per KV page")
-    a("--num-gpu-blocks-override", type=int, default=None, help="KV pages in the decode pool")
+    a("--num-gpu-blocks-override", type=int, default=None, help="KV pages per pool (each submesh's under PD)")
+    a("--gpu-memory-utilization", type=float, default=None, help="size each KV pool to fill this fraction of "
+      "device memory beside the weights (default 0.9 where devices report their memory; on CPU the pool "
+      "holds max_num_seqs x max_model_len tokens unless --num-gpu-blocks-override)")
+    a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+      help="reuse the KV of cached prompt prefixes (full pages, hash chained); on by default")
     a("--max-queue-len", type=int, default=256, help="waiting requests beyond which new ones get HTTP 429")
     a("--max-n", type=int, default=16, help="the largest n (samples per prompt) a request may ask for")
     a("--api-key", default=os.environ.get("ERNIE_JAX_API_KEY"),
@@ -107,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
               max_num_seqs=args.max_num_seqs, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
               mesh=args.mesh if n_devices > 1 else None, prefill_devices=args.prefill_devices,
               disaggregate=args.disaggregate, sharding=args.sharding, page_size=args.block_size,
-              num_pages=args.num_gpu_blocks_override, prefill_chunk=args.max_num_batched_tokens,
+              num_pages=args.num_gpu_blocks_override, gpu_memory_utilization=args.gpu_memory_utilization,
+              enable_prefix_caching=args.enable_prefix_caching, prefill_chunk=args.max_num_batched_tokens,
               compilation_cache_dir=args.compilation_cache_dir or None, batch_invariant=args.batch_invariant,
               background_compile=args.background_compile, kernels=args.kernels)
     if llm.tokenizer is None:
@@ -161,11 +167,17 @@ def _log_startup(llm, model_dir: str, args) -> None:
                  f" (not used: {op['passed_over']})" if op["passed_over"] else "",
                  f"; layout fallbacks: {op['layout_fallbacks']}" if op["layout_fallbacks"] else "")
     pending = engine.decoder.pending + (engine.prefiller.pending if engine.disaggregated else 0)
-    log.info("compiled %d programs in %.1f s (%s)%s; max_model_len %d, max_num_seqs %d, %d KV pages of %d tokens",
+    log.info("compiled %d programs in %.1f s (%s)%s; max_model_len %d, max_num_seqs %d",
              len(report.programs), engine.startup_seconds,
              ", ".join(f"{name} {size}: {sec:.1f}s" for name, size, sec in report.programs),
              f", {pending} more compiling in the background" if pending else "", engine.max_model_len,
-             engine.max_num_seqs, engine.allocator.capacity, engine.page_size)
+             engine.max_num_seqs)
+    sizing = {"decode": engine.decoder.pool_sizing, "colocated": engine.decoder.pool_sizing,
+              "prefill": engine.prefiller.pool_sizing}
+    for role, pool in engine.pools.items():
+        log.info("KV pool %s: %d pages of %d tokens (%d tokens; sized by %s), prefix caching %s", role,
+                 pool.capacity, pool.page_size, pool.capacity * pool.page_size, sizing[role],
+                 "on" if pool.enable_caching else "off")
 
 
 def _leaves(model):

@@ -12,7 +12,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
-from ernie_jax.engine.engine import Engine, Request
+from ernie_jax.engine.engine import Engine
+from ernie_jax.engine.request import Request
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _TPOT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -68,18 +69,33 @@ class _EngineCollector:
     def collect(self):
         e, name = self.engine, self.model_name
         g = GaugeMetricFamily("ernie_jax:num_requests_running", "Requests in prefill or decode", labels=["model_name"])
-        g.add_metric([name], len(e.running) + len(e.prefilling))
+        g.add_metric([name], e.scheduler.seats_taken)
         yield g
         g = GaugeMetricFamily("ernie_jax:num_requests_waiting", "Requests waiting for KV pages or a batch slot",
                               labels=["model_name"])
         g.add_metric([name], len(e.waiting))
         yield g
-        g = GaugeMetricFamily("ernie_jax:kv_cache_usage_perc", "Fraction of KV pages in use, per pool",
+        pools = e.pools.items()
+        g = GaugeMetricFamily("ernie_jax:kv_cache_usage_perc", "Fraction of KV pages held by requests, per pool",
                               labels=["model_name", "pool"])
-        g.add_metric([name, "decode" if e.disaggregated else "colocated"], e.allocator.usage)
-        if e.disaggregated:
-            g.add_metric([name, "prefill"], e.prefill_allocator.usage)
+        for role, pool in pools:
+            g.add_metric([name, role], pool.usage)
         yield g
+        g = GaugeMetricFamily("ernie_jax:kv_cache_cached_free_perc", "Fraction of KV pages free but holding a "
+                              "cached prefix (evicted LRU when the pool needs them), per pool",
+                              labels=["model_name", "pool"])
+        for role, pool in pools:
+            g.add_metric([name, role], pool.cached_free / pool.capacity)
+        yield g
+        s = e.scheduler
+        for metric, value, doc in (
+                ("prefix_cache_queries", s.prefix_queries, "Prompt tokens looked up in the prefix cache"),
+                ("prefix_cache_hits", s.prefix_hits, "Prompt tokens the prefix cache served"),
+                ("num_preemptions", s.num_preemptions, "Requests preempted (pages freed, recomputed later)"),
+                ("prefill_computed_tokens", s.prefill_tokens, "Tokens prefills computed (not served by the cache)")):
+            c = CounterMetricFamily(f"ernie_jax:{metric}", doc, labels=["model_name"])
+            c.add_metric([name], float(value))
+            yield c
         info = InfoMetricFamily("ernie_jax:op_implementation", "The implementation each op runs, and why preferred "
                                 "ones were not used", labels=["model_name", "op"])
         for op in e.compile_report.ops:

@@ -1,0 +1,76 @@
+"""A request as the engine tracks it: its tokens, sampling parameters, KV pages and timings."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ernie_jax.sampling import SamplingParams
+
+
+class RequestError(ValueError):
+    """A prompt or request that cannot be served; the message says which one and why."""
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    metrics: RequestMetrics
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[dict[str, Any] | None] = dataclasses.field(default_factory=list)  # None for token 0
+    pages: list[int] = dataclasses.field(default_factory=list)  # in the decode (or only) pool
+    prefill_pages: list[int] = dataclasses.field(default_factory=list)  # in the prefill pool when disaggregated
+    # What the current prefill computes: the prompt, followed, after a preemption, by the tokens already
+    # produced (they are kept and recomputed into the cache, never sent again).
+    prefill_ids: list[int] = dataclasses.field(default_factory=list)
+    num_prefilled: int = 0  # tokens of prefill_ids whose KV is in the pages (cached or computed)
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served at the first admission
+    page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # hash chain of the full pages so far
+    num_registered: int = 0  # leading pages of the caching pool's pages registered in its prefix cache
+    admitted: int = -1  # admission order: preemption takes the latest
+    num_preemptions: int = 0
+    bypassed: int = 0  # admissions that went past this request while it waited at the head of the queue
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text: str | None = None  # with a tokenizer: the detokenized output (cut before a stop string)
+    detokenizer: Any = None  # IncrementalDetokenizer when the engine has a tokenizer
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether its prefill returns prompt logprobs (every position's logits: the cache is bypassed)."""
+        return self.params.prompt_logprobs is not None and not self.output_ids
+
+    @property
+    def tpot(self) -> float | None:
+        m = self.metrics
+        if m.finished_time is None or m.first_token_time is None or len(self.output_ids) < 2:
+            return None
+        return (m.finished_time - m.first_token_time) / (len(self.output_ids) - 1)
