@@ -96,12 +96,16 @@ class Engine:
                     kv_cache_dtype=kv_cache_dtype, batch_invariant=batch_invariant,
                     memory_utilization=gpu_memory_utilization,
                     pages_without_memory_limit=max_num_seqs * self.max_pages + 1)
+        # A server compiles the prompt-scoring prefill of each chunk length behind it too, so the first echo
+        # + logprobs request does not compile on the engine thread while streams wait.
+        scoring = tuple(chunks) if background_compile else ()
         self.decoder = ModelPrograms(model, prefill_buckets=[] if prefill_model is not None else prefills,
                                      decode_buckets=batches, name="decode" if prefill_model is not None else
-                                     "colocated", **pool)
+                                     "colocated", score_buckets=() if prefill_model is not None else scoring,
+                                     **pool)
         if prefill_model is not None:
             self.prefiller = ModelPrograms(prefill_model, prefill_buckets=prefills, decode_buckets=[],
-                                           name="prefill", **pool)
+                                           name="prefill", score_buckets=scoring, **pool)
             self.transfer = PageTransfer(self.prefiller, self.decoder)
         else:
             self.prefiller, self.transfer = self.decoder, None
@@ -223,6 +227,21 @@ class Engine:
         req.metrics.finished_time = time.perf_counter()
         self.scheduler.finish(req)
         self.requests.pop(req.request_id, None)
+
+    def recover(self) -> list[Request]:
+        """After a step raised: every program donates its pool, so a device-side failure can leave a pool
+        consumed. Rebuild each pool (zeroed; its prefix cache forgotten), drop the step in flight, and
+        abort the requests that held pages (their KV is gone; waiting ones stay queued); returns them."""
+        self._ahead = None
+        s = self.scheduler
+        lost = s.prefilling + s.transferring + s.running
+        for req in lost:
+            self._finish(req, "abort", None)
+        for programs in {id(p): p for p in (self.decoder, self.prefiller)}.values():
+            programs.reset_cache()
+        for pool in self.pools.values():
+            pool.reset_cache()
+        return lost
 
     # ---- scheduling ---------------------------------------------------------------------------------------
     def _next_chunk(self, req: Request) -> list[int]:

@@ -192,12 +192,14 @@ class ModelPrograms:
     def __init__(self, model: ErnieForCausalLM, *, num_pages: int | None, page_size: int, max_pages_per_seq: int,
                  kv_cache_dtype: str, prefill_buckets: list[tuple[int, int]], decode_buckets: list[int], name: str,
                  batch_invariant: bool = False, memory_utilization: float | None = None,
-                 pages_without_memory_limit: int = 0):
+                 pages_without_memory_limit: int = 0, score_buckets: tuple[int, ...] = ()):
         """prefill_buckets: (B, T) shapes, with (1, T) for every chunk length T; decode_buckets: batch sizes.
         num_pages: the pool's pages (the null page included), or None to size it from device memory:
         memory_utilization (default 0.9, vLLM's) of each device's memory minus what is resident, or, where
         the platform reports no memory limit, pages_without_memory_limit (and memory_utilization must not be
-        given). `pool_sizing` says which rule sized the pool."""
+        given). `pool_sizing` says which rule sized the pool.
+        score_buckets: chunk lengths whose prompt-scoring prefill compiles with the other buckets (a
+        server's, in the background); any other length compiles on first use."""
         self.cfg, self.plan, self.name, self.execution = model.config, model.plan, name, model.execution
         self.weights = model.weights()
         if platform(model) == "cpu":
@@ -231,10 +233,10 @@ class ModelPrograms:
             else:
                 num_pages = pages_without_memory_limit
                 self.pool_sizing = "max_num_seqs x max_model_len (the devices report no memory limit)"
-        cache = KVCache.create(self.cfg, num_pages, page_size, dtype)
         self.num_pages = num_pages
-        self.cache_shardings = shardings(cache)
-        self.cache = jax.device_put(cache, self.cache_shardings)
+        self._new_cache = lambda: KVCache.create(self.cfg, num_pages, page_size, dtype)
+        self.cache_shardings = shardings(jax.eval_shape(self._new_cache))
+        self.cache = jax.device_put(self._new_cache(), self.cache_shardings)
         self.report: list[tuple[str, int, float]] = []
         w_shardings = jax.tree.map(lambda a: a.sharding, self.weights)
         build = functools.partial(step_program, self.cfg, self.plan, self.execution, w_shardings,
@@ -245,6 +247,7 @@ class ModelPrograms:
         self.ready: dict[str, list] = {"prefill": [], "decode": []}  # compiled buckets, ascending
         lowered = {("prefill", (B, T)): self._lower(self._jit, B, T, sampling=True) for B, T in prefill_buckets}
         lowered.update({("decode", B): self._lower(self._jit, B, 1, sampling=True) for B in decode_buckets})
+        lowered.update({("score", T): self._lower(self._score_jit, 1, T, extra=((1, T),)) for T in score_buckets})
 
         def job(key):
             return lowered[key].compile()
@@ -267,6 +270,11 @@ class ModelPrograms:
 
     def _publish(self, key: tuple[str, int], exe, seconds: float) -> None:
         kind, size = key
+        if kind == "score":
+            self._score[size] = exe
+            self.pending -= 1
+            self.report.append((f"{self.name} prefill+prompt_logprobs", size, seconds))
+            return
         self._programs[key] = exe
         self.ready[kind] = sorted(self.ready[kind] + [size])  # a new list: the engine thread reads it unlocked
         self.pending -= 1
@@ -292,6 +300,11 @@ class ModelPrograms:
                                 (self.weights, self.cache))
         return lower_step(jitted, *abstract, self.replicated, B, T, self.max_pages, extra, sampling)
 
+    def reset_cache(self) -> None:
+        """A fresh (zeroed) pool in place of one a failed program may have consumed: every program donates
+        the pool, so after a device-side error the old buffers can be gone."""
+        self.cache = jax.device_put(self._new_cache(), self.cache_shardings)
+
     def put(self, x):
         """Explicit host -> device copy onto this mesh (replicated); a pytree goes in one call."""
         return jax.device_put(x, self.replicated)
@@ -313,6 +326,7 @@ class ModelPrograms:
         top ids [1,T,MAX_LOGPROBS], top logprobs)). The program for a chunk length compiles on first use."""
         T = ids.shape[1]
         if T not in self._score:
+            log.info("%s: compiling the prompt-scoring prefill for %d tokens on first use", self.name, T)
             t0 = time.perf_counter()
             self._score[T] = self._lower(self._score_jit, 1, T, extra=((1, T),)).compile()
             self.report.append((f"{self.name} prefill+prompt_logprobs", T, time.perf_counter() - t0))

@@ -114,15 +114,16 @@ def moe(x: jax.Array, w: dict, cfg: ErnieConfig, ex: ExecutionConfig = REFERENCE
     x [B,T,H] -> (y [B,T,H], expert ids [B*T,k])
     """
     x2 = x.reshape(-1, x.shape[-1])
+    shared = shared_experts(x2, w, ex, plan)
     if plan is None:
         weights, ids = route(x2, w["router"], w["router_bias"], cfg.moe_k, cfg.moe_norm_min)
         y = routed_experts(x2, weights, ids, w["experts_up_gate"], w["experts_down"], cfg.moe_num_experts,
                            batch_invariant=batch_invariant, implementation=ex.routed_experts,
                            opts=ex.expert_options)
-    else:
-        y, ids = moe_ep(x, w, cfg, plan, ex, batch_invariant)
-        y = y.reshape(x2.shape)
-    return (y + shared_experts(x2, w, ex, plan)).reshape(x.shape), ids
+        y = y + shared
+    else:  # the shared experts' output is summed with the routed experts' (sharding/expert_parallel.py)
+        y, ids = moe_ep(x, w, cfg, plan, ex, batch_invariant, None if isinstance(shared, int) else shared)
+    return y.reshape(x.shape), ids
 
 
 def shared_experts(x: jax.Array, w: dict, ex: ExecutionConfig = REFERENCE, plan=None) -> jax.Array | int:

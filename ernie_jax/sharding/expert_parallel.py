@@ -34,9 +34,14 @@ def _my_rows(a: jax.Array, axes: tuple[str, ...], plan: ShardingPlan) -> jax.Arr
 
 
 def moe_ep(x: jax.Array, w: dict, cfg: ErnieConfig, plan: ShardingPlan, ex: ExecutionConfig,
-           batch_invariant: bool = False) -> tuple[jax.Array, jax.Array]:
-    """The routed experts of x [B,T,H] (batch sharded per the rules) -> (y [B,T,H], expert ids [B*T,k]);
-    the caller adds the shared experts. ex: the dispatch, and the local experts' implementation."""
+           batch_invariant: bool = False, shared: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """The routed experts of x [B,T,H] (batch sharded per the rules), plus `shared` [B,T,H] (the shared
+    experts' output, or None) -> (y [B,T,H], expert ids [B*T,k]). ex: the dispatch, and the local experts'
+    implementation.
+    With the replicated dispatch, each device adds shared / n to its share before the psum over the n
+    expert devices, so one all-reduce sums both. Besides saving one, this orders the shared experts'
+    collectives before the routed psum: independent, XLA:CPU may run them side by side, and each waiting
+    participant holds a thread of one shared pool, which deadlocked the 4-device CPU prefill."""
     expert_axes = plan.axes_of("experts")
     batch_axes = tuple(a for a in plan.axes_of("batch") if plan.size_of((a,)) > 1)
     n = plan.size_of(expert_axes)
@@ -52,7 +57,9 @@ def moe_ep(x: jax.Array, w: dict, cfg: ErnieConfig, plan: ShardingPlan, ex: Exec
     a2a = ex.ep_dispatch == "all_to_all" and n > 1
     bspec = (batch_axes if len(batch_axes) > 1 else batch_axes[0]) if batch_axes else None
 
-    def body(x, router, bias, up_gate, down):
+    fold = shared is not None and not a2a and bool(reduce) and not gather
+
+    def body(x, router, bias, up_gate, down, shared):
         if gather:
             x = lax.all_gather(x, gather, axis=0, tiled=True)
         b, t, h = x.shape
@@ -67,6 +74,8 @@ def moe_ep(x: jax.Array, w: dict, cfg: ErnieConfig, plan: ShardingPlan, ex: Exec
         y = y.reshape(b, t, h)
         ids = ids.reshape(b, t, -1)
         if not a2a and reduce:  # a2a: y is already the whole sum, the same on every device
+            if fold:
+                y = y + (shared / plan.size_of(reduce)).astype(y.dtype)
             y = lax.psum(y, reduce)
         if gather:
             y = _my_rows(y, gather, plan) if a2a else lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True)
@@ -75,10 +84,13 @@ def moe_ep(x: jax.Array, w: dict, cfg: ErnieConfig, plan: ShardingPlan, ex: Exec
 
     up_gate, down = w["experts_up_gate"], w["experts_down"]
     in_specs = (P(bspec, None, None), P(), P(), plan.param_spec("experts_up_gate", up_gate),
-                plan.param_spec("experts_down", down))
+                plan.param_spec("experts_down", down), P(bspec, None, None) if fold else P())
     y, ids = jax.shard_map(body, mesh=plan.mesh, in_specs=in_specs, out_specs=(P(bspec, None, None),
                                                                                P(bspec, None, None)),
-                           check_vma=False)(x, w["router"], w["router_bias"], up_gate, down)
+                           check_vma=False)(x, w["router"], w["router_bias"], up_gate, down,
+                                            shared.reshape(x.shape) if fold else jnp.zeros((), x.dtype))
+    if shared is not None and not fold:
+        y = y + shared.reshape(y.shape).astype(y.dtype)
     return y, ids.reshape(-1, ids.shape[-1])
 
 
