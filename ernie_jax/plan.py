@@ -8,8 +8,9 @@ carrying their shardings, on as many fake CPU devices as the mesh needs (set up 
 programs are engine.programs.step_program, lowered by lower_step exactly as ModelPrograms lowers its
 buckets, with the execution config a GPU selects without kernels (the Pallas kernels are not
 partitioned by XLA:CPU): prefill = one chunk of `--prefill-tokens` tokens, decode = one token for each of
-`--max-num-seqs` sequences, over the pools the engine allocates (colocated: one pool of max_num_seqs x
-pages per sequence; PD: the decode pool that size and the prefill pool one prompt plus one chunk). Per
+`--max-num-seqs` sequences, over the pools the engine allocates where devices report no memory limit
+(max_num_seqs x pages per sequence; under PD each submesh's pool that size; on GPUs the engine sizes its
+pools from memory instead, which is what "KV tokens that fit" estimates). Per
 device it reports weights and KV bytes (exact, from the shardings), temporaries (XLA:CPU's figure, shown
 but not trusted: XLA:CPU upcasts bf16 dot operands and decomposes ragged_dot densely, so its temporaries
 do not predict a GPU's, ANCHORS P10), the compile time, and how many tokens of KV fit per submesh on an
@@ -114,12 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     prefill_tokens = args.prefill_tokens or min(args.max_model_len, 8192)
     page = args.block_size
     max_pages = -(-args.max_model_len // page)
-    decode_pool = args.max_num_seqs * max_pages + 1  # the engine's pool (Engine: num_pages default)
+    decode_pool = args.max_num_seqs * max_pages + 1  # Engine's pool where devices report no memory limit
     common = dict(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, rules=args.sharding,
                   page_size=page, max_pages=max_pages)
     prefill_devs = devices[:p_dev]
     decode_devs = devices[p_dev:p_dev + d_dev] if disagg else devices
-    prefill_pool = max_pages + -(-prefill_tokens // page) + 1 if disagg else decode_pool
+    prefill_pool = decode_pool  # each PD submesh's pool is sized by the same rule
     report = {"model": args.model, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
               "disaggregated": disagg,
               "prefill": plan_program(cfg, prefill_devs, len(prefill_devs) if disagg else args.mesh, batch=1,
