@@ -46,7 +46,7 @@ def prefix(args) -> int:
     outputs = {}
     for _ in range(args.repeats):
         for on, llm in engines.items():
-            pool = llm.engine.prefill_allocator or llm.engine.allocator
+            pool = llm.engine.scheduler.cache_pool
             pool.reset_cache()  # every run starts cold: the first request computes the system prompt
             before = llm.engine.scheduler.prefill_tokens
             t0 = time.perf_counter()

@@ -103,7 +103,7 @@ def test_greedy_unchanged_by_prefix_caching_and_preemption(mode, kv):
     prefix = np.random.default_rng(3).integers(3, 256, 32).tolist()
     prompts, params = long_requests(6, prefix)
     params = [SamplingParams(temperature=0, max_tokens=70, ignore_eos=True)] * len(prompts)
-    cache_pool = engine.prefill_allocator or engine.allocator
+    cache_pool = engine.scheduler.cache_pool
     cache_pool.enable_caching = False
     solo = [drive(engine, [p], [sp])[0].output_ids for p, sp in zip(prompts, params)]
     cache_pool.enable_caching = True

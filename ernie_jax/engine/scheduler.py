@@ -197,9 +197,9 @@ class Scheduler:
         return moved
 
     def release_prefill(self, req: Request) -> None:
-        if req.prefill_pages:
-            self.prefill_pool.release(req.prefill_pages)
-            req.prefill_pages = []
+        """Disaggregated: the prompt's pages have moved to the decode pool (registered ones stay cached)."""
+        self.prefill_pool.release(req.prefill_pages)
+        req.prefill_pages = []
 
     def prompt_done(self, req: Request) -> None:
         self.prefilling.remove(req)
