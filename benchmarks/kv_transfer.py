@@ -35,16 +35,16 @@ def main() -> None:
 
     llm = LLM(args.model, dtype=args.dtype, mesh=args.mesh, prefill_devices=args.prefill_devices,
               kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.prompt_len + 8, max_num_seqs=4,
-              prefill_chunk=args.prompt_len)
+              prefill_chunk=args.prompt_len, pd_policy="static")  # static: every prompt moves
     vocab = llm.model.config.vocab_size
     prompts = np.random.default_rng(0).integers(3, vocab, (args.num_prompts + 2, args.prompt_len)).tolist()
     sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     llm.generate(prompt_token_ids=prompts[:2], sampling_params=sp)  # compiles the transfer's bucket
-    transfer = llm.engine.transfer
+    transfer = llm.engine.instance("prefill").transfer
     transfer.seconds, transfer.bytes = 0.0, 0
     llm.generate(prompt_token_ids=prompts[2:], sampling_params=sp)
     mb = transfer.bytes / 1e6
-    pool = llm.engine.decoder.cache.k[0].dtype
+    pool = llm.engine.instance("decode").programs.cache.k[0].dtype
     print(f"{args.num_prompts} prompts x {args.prompt_len} tokens, pool {pool}: {mb:.2f} MB in "
           f"{transfer.seconds:.3f} s, {transfer.seconds * 1e3 / mb:.2f} ms/MB, "
           f"{transfer.seconds * 1e3 / args.num_prompts:.1f} ms per prompt")

@@ -46,15 +46,15 @@ def prefix(args) -> int:
     outputs = {}
     for _ in range(args.repeats):
         for on, llm in engines.items():
-            pool = llm.engine.scheduler.cache_pool
-            pool.reset_cache()  # every run starts cold: the first request computes the system prompt
-            before = llm.engine.scheduler.prefill_tokens
+            for pool in llm.engine.pools.values():
+                pool.reset_cache()  # every run starts cold: the first request computes the system prompt
+            before = llm.engine.counter("prefill_tokens")
             t0 = time.perf_counter()
             outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp)
             r = rows[on]
             r["wall"].append(time.perf_counter() - t0)
             r["ttft"] += [o.metrics["ttft"] for o in outs]
-            r["computed"].append(llm.engine.scheduler.prefill_tokens - before)
+            r["computed"].append(llm.engine.counter("prefill_tokens") - before)
             r["tokens"] = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outs)
             outputs[on] = [o.outputs[0].token_ids for o in outs]
     cfg = engines[True].model.config
@@ -95,9 +95,9 @@ def capacity(args) -> int:
     wall = time.perf_counter() - t0
     n_out = sum(len(r.output_ids) for r in reqs)
     lens = [len(r.prompt_ids) + len(r.output_ids) for r in reqs]
-    scheduler = getattr(engine, "scheduler", None)
-    preempted = scheduler.num_preemptions if scheduler is not None else "n/a"
-    rule = "pages on demand" if scheduler is not None else "reserve the worst case"
+    on_demand = hasattr(engine, "counter")  # this script also runs against the checkout before pages on demand
+    preempted = engine.counter("num_preemptions") if on_demand else "n/a"
+    rule = "pages on demand" if on_demand else "reserve the worst case"
     print(f"{args.num_prompts} chats, no max_tokens (worst case {args.max_model_len} tokens each); real lengths "
           f"p50 {np.median(lens):.0f}, max {max(lens)} tokens; pool {args.num_pages} pages of "
           f"{engine.page_size} tokens; max_num_seqs {args.max_num_seqs}")

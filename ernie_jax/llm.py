@@ -45,6 +45,7 @@ class LLM:
     compilation_cache_dir: JAX's persistent compilation cache (None: off; an already configured one wins).
     batch_invariant: decode at one batch shape, so a request's tokens never depend on its batch (Engine).
     background_compile: return when one bucket per program is compiled; the rest compile behind (Engine).
+    pd_policy: disaggregated only: "dynamic" (role switching, engine/policy.py) or "static" (fixed roles).
     kernels: "auto" (the Pallas kernels where the device supports them and they pass their start-up
     self-check), "pallas" (force them; interpreted off GPUs) or "xla" (none); see ops/execution.py.
     """
@@ -56,7 +57,7 @@ class LLM:
                  page_size: int = 16, num_pages: int | None = None, gpu_memory_utilization: float | None = None,
                  enable_prefix_caching: bool = True, prefill_chunk: int = 512,
                  compilation_cache_dir: str | None = "~/.cache/ernie_jax/xla", batch_invariant: bool = False,
-                 background_compile: bool = False, kernels: str = "auto"):
+                 background_compile: bool = False, kernels: str = "auto", pd_policy: str = "dynamic"):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
         jdtype = _DTYPES[dtype]
@@ -98,7 +99,7 @@ class LLM:
                              enable_prefix_caching=enable_prefix_caching,
                              prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype, eos_token_ids=frozenset(eos),
                              tokenizer=self.tokenizer, seed=seed, batch_invariant=batch_invariant,
-                             background_compile=background_compile)
+                             background_compile=background_compile, pd_policy=pd_policy)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

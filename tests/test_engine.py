@@ -15,10 +15,22 @@ import pytest
 from ernie_jax import LLM, RequestError, SamplingParams, SamplingParamsError, load_pretrained
 from ernie_jax.assets import EMBEDDED_MODEL_DIR
 from ernie_jax.engine.async_engine import AsyncEngine
+from ernie_jax.engine.policy import PDPolicy
 from ernie_jax.engine.programs import cpu_expert_groups, min_decode_rows
 from tests.conftest import GOLDEN
 
 SMALL = dict(max_model_len=64, max_num_seqs=4)
+
+
+def all_free(engine) -> bool:
+    """Every page of every pool free (and consistent), no request left."""
+    for pool in engine.pools.values():
+        pool.check()
+    return all(p.free == p.capacity for p in engine.pools.values()) and not engine.has_unfinished()
+
+
+def programs(engine, name: str = "colocated"):
+    return engine.instance(name).programs
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,7 +53,7 @@ def test_greedy_matches_hf_in_every_mode(golden, mode):
         outs = engine_llm.generate(prompt_token_ids=g["greedy_prompt"].tolist(),
                                    sampling_params=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == g["greedy_tokens"].tolist()
-    assert engine_llm.engine.allocator.free == engine_llm.engine.allocator.capacity
+    assert all_free(engine_llm.engine)
 
 
 @pytest.mark.parametrize("mode", ["single", "pd"])
@@ -76,25 +88,32 @@ def test_fp8_kv_cache_same_in_pd_and_colocated(golden):
 
 def test_pd_programs_run_on_their_submeshes_and_pages_move_bit_identically():
     engine = llm("pd").engine
+    prefiller, decoder = programs(engine, "prefill"), programs(engine, "decode")
     devices = jax.devices()
-    assert set(engine.prefiller.devices) == set(devices[:4]) and set(engine.decoder.devices) == set(devices[4:])
-    for compiled in engine.prefiller.executables("prefill"):
+    assert set(prefiller.devices) == set(devices[:4]) and set(decoder.devices) == set(devices[4:])
+    for compiled in prefiller.executables("prefill") + prefiller.executables("decode"):
         assert {d for s in jax.tree.leaves(compiled.input_shardings) for d in s.device_set} == set(devices[:4])
-    for compiled in engine.decoder.executables("decode"):
+    for compiled in decoder.executables("decode") + decoder.executables("prefill"):
         assert {d for s in jax.tree.leaves(compiled.input_shardings) for d in s.device_set} == set(devices[4:])
     rid = engine.add_request(list(range(5, 40)), SamplingParams(temperature=0, max_tokens=4))
     req = engine.requests[rid]
-    while req not in engine.running:  # prefilled, then moved once the decode pool gave it pages
-        engine.step()
-    src, dst = engine.transfer.last
-    for s in range(len(engine.decoder.cache.k)):
+    for inst in engine.instances:  # static: every finished prompt moves
+        inst.policy = PDPolicy("static")
+    try:
+        while req not in engine.instance("decode").running:  # prefilled, then moved to the decode instance
+            engine.step()
+    finally:
+        for inst in engine.instances:
+            inst.policy = engine.policy
+    src, dst = engine.instance("prefill").transfer.last
+    for s in range(len(decoder.cache.k)):
         for name in ("k", "v"):  # the prompt's 35 positions (the decode pool has since written position 35)
-            a = jax.device_get(getattr(engine.prefiller.cache, name)[s][:, np.asarray(src)])
-            b = jax.device_get(getattr(engine.decoder.cache, name)[s][:, np.asarray(dst)])
+            a = jax.device_get(getattr(prefiller.cache, name)[s][:, np.asarray(src)])
+            b = jax.device_get(getattr(decoder.cache, name)[s][:, np.asarray(dst)])
             flat = lambda x: x.reshape(x.shape[0], -1, *x.shape[3:])[:, :35]  # noqa: E731  [L, positions, K, D]
             np.testing.assert_array_equal(flat(a), flat(b))
     engine.run_until_done([rid]) if rid in engine.requests else None
-    assert engine.allocator.free == engine.allocator.capacity
+    assert all_free(engine)
 
 
 def test_sharded_programs_never_copy_the_kv_pool():
@@ -102,10 +121,10 @@ def test_sharded_programs_never_copy_the_kv_pool():
     data, the XLA attention's loop over page blocks once made XLA copy the pool around the loop, and a
     4-device CPU decode step went from 18 ms to 700 ms."""
     engine = LLM(EMBEDDED_MODEL_DIR, mesh=8, prefill_devices=4, max_model_len=256, max_num_seqs=4).engine  # 4 blocks
-    for programs in (engine.prefiller, engine.decoder):
-        pool = programs.cache.k[0]  # [L, P, page, K, D]: a copy of it has P (or a device's P) pages of `page`
+    for inst in engine.instances:
+        pool = inst.programs.cache.k[0]  # [L, P, page, K, D]: a copy of it has P (or a device's P) pages of `page`
         pages = {f"{p},{pool.shape[2]}," for p in (pool.shape[1], pool.sharding.shard_shape(pool.shape)[1])}
-        for exe in programs.executables("prefill") + programs.executables("decode"):
+        for exe in inst.programs.executables("prefill") + inst.programs.executables("decode"):
             for shape in re.findall(r"= \w+\[([\d,]*)\]\S* copy\(", exe.as_text()):
                 assert not any(p in shape + "," for p in pages), shape
 
@@ -117,30 +136,30 @@ def test_cpu_decode_reads_bf16_weights_as_stored():
     gathers and scatters a bf16 page pool through f32 copies of the whole pool, so the pool holds the
     values' uint16 bits and no program holds a float array of its shape."""
     tiny = LLM("tiny", dtype="bfloat16", **SMALL)
-    engine = tiny.engine
-    assert sorted(engine.decoder.ready["decode"]) == [2, 4]
-    leaves = jax.tree.leaves(engine.decoder.weights["segments"])
+    engine = programs(tiny.engine)
+    assert sorted(engine.ready["decode"]) == [2, 4]
+    leaves = jax.tree.leaves(engine.weights["segments"])
     groups = cpu_expert_groups(8)  # one per core
     assert 8 % groups == 0 and groups <= (os.cpu_count() or 1)
     assert any(a.shape == (8 // groups, 128, 128) for a in leaves)  # experts_up_gate [E, H, 2F] in groups
     weight_shapes = {",".join(map(str, a.shape)) for a in leaves if a.dtype == jnp.bfloat16 and a.ndim >= 2}
-    for exe in engine.decoder.executables("decode"):
+    for exe in engine.executables("decode"):
         f32 = set(re.findall(r"= f32\[([\d,]*)\]", exe.as_text()))
         assert not f32 & weight_shapes, f32 & weight_shapes
-    pool = engine.decoder.cache.k[0]
+    pool = engine.cache.k[0]
     assert pool.dtype == jnp.uint16
     flat = (pool.shape[0] * pool.shape[1], *pool.shape[2:])  # the layer's view of the pool
     pool_shapes = {",".join(map(str, shape)) for shape in (pool.shape, flat)}
-    for exe in engine.decoder.executables("decode") + engine.decoder.executables("prefill"):
+    for exe in engine.executables("decode") + engine.executables("prefill"):
         floats = set(re.findall(r"= (?:f32|bf16)\[([\d,]*)\]", exe.as_text()))
         assert not floats & pool_shapes, floats & pool_shapes
-    shapes, run = [], engine.decoder.run
-    engine.decoder.run = lambda kind, ids, *a: shapes.append((kind, ids.shape)) or run(kind, ids, *a)
+    shapes, run = [], engine.run
+    engine.run = lambda kind, ids, *a: shapes.append((kind, ids.shape)) or run(kind, ids, *a)
     try:
         out = tiny.generate(prompt_token_ids=[[5, 6, 7]],
                             sampling_params=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     finally:
-        del engine.decoder.run
+        del engine.run
     decode = {shape for kind, shape in shapes if kind == "decode"}
     assert len(out[0].outputs[0].token_ids) == 4 and decode == {(2, 1)}  # beside a padding row
     assert min_decode_rows(load_pretrained(EMBEDDED_MODEL_DIR)) == 1  # block-FP8 linears
@@ -159,20 +178,23 @@ def test_decode_steps_chain_on_device_without_changing_tokens(mode):
               SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
               SamplingParams(temperature=0.5, top_p=0.9, seed=1, max_tokens=9, ignore_eos=True, logprobs=2),
               SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)]
-    chained, continues = [], engine._continues
-    engine._continues = lambda step: chained.append(continues(step)) or chained[-1]
+    chained = []
+    for inst in engine.instances:
+        inst._continues = lambda step, c=inst._continues: chained.append(c(step)) or chained[-1]
     try:
         with jax.transfer_guard("disallow"):
             ahead = engine_llm.generate(prompt_token_ids=prompts, sampling_params=params)
-        engine._continues = lambda step: False
+        for inst in engine.instances:
+            inst._continues = lambda step: False
         stepwise = engine_llm.generate(prompt_token_ids=prompts, sampling_params=params)
     finally:
-        del engine._continues
+        for inst in engine.instances:
+            del inst._continues
     assert sum(chained) >= 5  # most decode steps ran ahead of the host
     assert [o.outputs[0].token_ids for o in ahead] == [o.outputs[0].token_ids for o in stepwise]
     assert [len(o.outputs[0].token_ids) for o in ahead] == [10, 12, 3, 9, 6]
     assert ahead[3].outputs[0].logprobs == stepwise[3].outputs[0].logprobs
-    assert engine.allocator.free == engine.allocator.capacity
+    assert all_free(engine)
 
 
 def test_pd_prefills_a_burst_of_prompts_in_batches():
@@ -181,17 +203,17 @@ def test_pd_prefills_a_burst_of_prompts_in_batches():
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 256, int(n)).tolist() for n in rng.integers(1, 30, 6)]
     sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    shapes, run = [], engine.prefiller.run
-    engine.prefiller.run = lambda kind, ids, *a: shapes.append(ids.shape) or run(kind, ids, *a)
+    prefiller = programs(engine, "prefill")
+    shapes, run = [], prefiller.run
+    prefiller.run = lambda kind, ids, *a: kind == "prefill" and shapes.append(ids.shape) or run(kind, ids, *a)
     try:
         outs = engine_llm.generate(prompt_token_ids=prompts, sampling_params=sp)
     finally:
-        del engine.prefiller.run
+        del prefiller.run
     assert any(B > 1 for B, _ in shapes)  # several prompts shared one prefill program on the prefill submesh
     alone = llm("single").generate(prompt_token_ids=prompts, sampling_params=sp)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in alone]
-    assert engine.prefill_allocator.free == engine.prefill_allocator.capacity
-    assert engine.allocator.free == engine.allocator.capacity
+    assert all_free(engine)
 
 
 def test_64_concurrent_requests_more_than_the_cache_holds():
@@ -201,8 +223,9 @@ def test_64_concurrent_requests_more_than_the_cache_holds():
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 256, int(n)).tolist() for n in rng.integers(1, 40, 64)]
     params = [SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True) for m in rng.integers(1, 20, 64)]
-    shapes, run = [], busy.engine.prefiller.run
-    busy.engine.prefiller.run = lambda kind, ids, *a: shapes.append(ids.shape) or run(kind, ids, *a)
+    colocated = programs(busy.engine)
+    shapes, run = [], colocated.run
+    colocated.run = lambda kind, ids, *a: kind == "prefill" and shapes.append(ids.shape) or run(kind, ids, *a)
     together = busy.generate(prompt_token_ids=prompts, sampling_params=params)
     assert any(B > 1 for B, _ in shapes)  # admitted prompts were prefilled together (a batched program)
     alone_llm = llm("single")
@@ -210,7 +233,7 @@ def test_64_concurrent_requests_more_than_the_cache_holds():
         alone = alone_llm.generate(prompt_token_ids=[p], sampling_params=sp)[0]
         assert out.outputs[0].token_ids == alone.outputs[0].token_ids
         assert len(out.outputs[0].token_ids) == sp.max_tokens
-    assert busy.engine.allocator.free == busy.engine.allocator.capacity and not busy.engine.requests
+    assert all_free(busy.engine) and not busy.engine.requests
 
 
 def test_bad_requests_keep_the_engine_serving():
@@ -238,9 +261,9 @@ def test_abort_frees_pages_at_once():
     req = engine.requests[rid]
     engine.step()
     engine.step()
-    assert engine.allocator.free < engine.allocator.capacity
+    assert engine.pools["colocated"].free < engine.pools["colocated"].capacity
     engine.abort(rid)
-    assert req.finish_reason == "abort" and engine.allocator.free == engine.allocator.capacity
+    assert req.finish_reason == "abort" and all_free(engine)
     assert not engine.has_unfinished()
 
 
@@ -282,42 +305,46 @@ def test_async_engine_streams_and_aborts():
         first = await long.__anext__()
         await long.aclose()  # the consumer leaves: the request is aborted and its pages freed
         for _ in range(100):
-            if engine.allocator.free == engine.allocator.capacity:
+            if all_free(engine):
                 break
             await asyncio.sleep(0.05)
         return first
     try:
         first = asyncio.run(main())
         assert len(first.outputs[0].token_ids) >= 1
-        assert engine.allocator.free == engine.allocator.capacity
+        assert all_free(engine)
     finally:
         runner.shutdown()
 
 
-def test_async_engine_takes_requests_during_a_step_and_survives_a_device_error():
-    """add_request returns while the stepping thread is inside a (slowed) step; a step whose program fails
-    after consuming the donated pool fails the requests that held pages, the pools are rebuilt, and later
-    requests get the tokens they would have got anyway."""
+@pytest.mark.parametrize("mode", ["single", "pd"])
+def test_async_engine_takes_requests_during_a_step_and_survives_a_device_error(mode):
+    """add_request returns while an instance thread is inside a (slowed) step; a step whose program fails
+    after consuming the donated pool fails the requests that held pages there, the pool is rebuilt, and
+    later requests get the tokens they would have got anyway."""
     from ernie_jax.engine.async_engine import EngineError
 
-    engine = llm("single").engine
+    engine = llm(mode).engine
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     expected = llm("single").generate(prompt_token_ids=[[9, 8, 7]], sampling_params=sp)[0].outputs[0].token_ids
     runner = AsyncEngine(engine)
-    programs, run = engine.decoder, engine.decoder.run
-    in_step, mode = threading.Event(), {"slow": True, "fail": False}
+    in_step, state = threading.Event(), {"slow": True, "fail": False}
 
-    def patched(kind, *args):
-        if mode["slow"] and kind == "decode":
-            mode["slow"] = False
-            in_step.set()
-            time.sleep(1.0)
-        out = run(kind, *args)
-        if mode["fail"] and kind == "decode":  # as a device-side failure leaves it: the donated pool is gone
-            mode["fail"] = False
-            jax.tree.map(lambda a: a.delete(), programs.cache)
-            raise RuntimeError("injected device failure")
-        return out
+    def patch(programs):
+        run = programs.run
+
+        def patched(kind, *args):
+            if state["slow"] and kind == "decode":
+                state["slow"] = False
+                in_step.set()
+                time.sleep(1.0)
+            out = run(kind, *args)
+            if state["fail"] and kind == "decode":  # as a device-side failure leaves it: the donated pool is gone
+                state["fail"] = False
+                jax.tree.map(lambda a: a.delete(), programs.cache)
+                raise RuntimeError("injected device failure")
+            return out
+        programs.run = patched
 
     async def main():
         first = runner.add_request([4, 5, 6], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
@@ -328,20 +355,22 @@ def test_async_engine_takes_requests_during_a_step_and_survives_a_device_error()
         second = runner.add_request([9, 8, 7], sp)  # while the engine thread sleeps inside a decode step
         took = time.perf_counter() - t0
         assert (await task)[-1].finished and (await _collect(second))[-1].outputs[0].token_ids == expected
-        mode["fail"] = True
+        state["fail"] = True
         with pytest.raises(EngineError, match="injected device failure"):
             await _collect(runner.add_request([4, 5, 6], sp))
         after = await _collect(runner.add_request([9, 8, 7], sp))
         return took, after[-1].outputs[0].token_ids
-    programs.run = patched
+    for inst in engine.instances:
+        patch(inst.programs)
     try:
         took, after = asyncio.run(main())
     finally:
-        del programs.run
+        for inst in engine.instances:
+            del inst.programs.run
         runner.shutdown()
     assert took < 0.2  # the step it overlapped sleeps 1 s
     assert after == expected
-    assert engine.allocator.free == engine.allocator.capacity and not engine.requests
+    assert all_free(engine) and not engine.requests
 
 
 async def _collect(stream) -> list:

@@ -31,6 +31,13 @@ def no_leak(engine) -> None:
     assert not engine.has_unfinished() and not engine.requests
 
 
+def set_caching(engine, on: bool) -> None:
+    for pool in engine.pools.values():
+        pool.enable_caching = on
+        if on:
+            pool.reset_cache()
+
+
 def drive(engine, prompts, params) -> list:
     """Add every request, step to the end; checks each request's tokens only ever grow (nothing is taken
     back or sent twice, preempted or not). Returns the requests."""
@@ -83,12 +90,12 @@ def test_preemption_recomputes_and_every_request_keeps_its_solo_tokens():
     llm = small_pool()
     engine = llm.engine
     prompts, params = long_requests()
-    engine.allocator.enable_caching = False
+    set_caching(engine, False)
     solo = [drive(engine, [p], [sp])[0].output_ids for p, sp in zip(prompts, params)]
-    engine.allocator.enable_caching = True
-    before = engine.scheduler.num_preemptions
+    set_caching(engine, True)
+    before = engine.counter("num_preemptions")
     together = drive(engine, prompts, params)
-    assert engine.scheduler.num_preemptions > before
+    assert engine.counter("num_preemptions") > before
     assert any(r.num_preemptions for r in together)
     assert [r.output_ids for r in together] == solo
     assert all(len(r.output_ids) == 76 and r.finish_reason == "length" for r in together)
@@ -103,22 +110,21 @@ def test_greedy_unchanged_by_prefix_caching_and_preemption(mode, kv):
     prefix = np.random.default_rng(3).integers(3, 256, 32).tolist()
     prompts, params = long_requests(6, prefix)
     params = [SamplingParams(temperature=0, max_tokens=70, ignore_eos=True)] * len(prompts)
-    cache_pool = engine.scheduler.cache_pool
-    cache_pool.enable_caching = False
+    set_caching(engine, False)
     solo = [drive(engine, [p], [sp])[0].output_ids for p, sp in zip(prompts, params)]
-    cache_pool.enable_caching = True
-    cache_pool.reset_cache()
-    s = engine.scheduler
-    hits, preemptions = s.prefix_hits, s.num_preemptions
+    set_caching(engine, True)
+    hits, preemptions = engine.counter("prefix_hits"), engine.counter("num_preemptions")
     together = drive(engine, prompts, params)
     assert [r.output_ids for r in together] == solo
-    assert s.prefix_hits - hits >= 32 * (len(prompts) - 1) and s.num_preemptions > preemptions
+    assert engine.counter("prefix_hits") - hits >= 32 * (len(prompts) - 1)
+    assert engine.counter("num_preemptions") > preemptions
     no_leak(engine)
 
 
 def test_shared_1024_token_prefix_prefills_only_the_suffix_and_n_prefills_once():
     llm = LLM(golden_model(), max_model_len=1120, max_num_seqs=4, prefill_chunk=512)
-    engine, s = llm.engine, llm.engine.scheduler
+    engine = llm.engine
+    s = engine.instances[0].scheduler
     rng = np.random.default_rng(11)
     system = rng.integers(3, 256, 1024).tolist()
     first, second = (system + rng.integers(3, 256, 32).tolist() for _ in range(2))
@@ -129,10 +135,10 @@ def test_shared_1024_token_prefix_prefills_only_the_suffix_and_n_prefills_once()
     computed = s.prefill_tokens
     cached = llm.generate(prompt_token_ids=[second], sampling_params=sp)[0]
     assert s.prefill_tokens - computed == 32 and cached.num_cached_tokens == 1024  # only the suffix
-    engine.allocator.enable_caching = False
+    s.pool.enable_caching = False
     uncached = llm.generate(prompt_token_ids=[second], sampling_params=sp)[0]
     assert cached.outputs[0].token_ids == uncached.outputs[0].token_ids
-    engine.allocator.enable_caching = True
+    s.pool.enable_caching = True
 
     # n=4 of a new prompt: one prefill; each other sample recomputes only the prompt's last page (its first
     # token's logits), waiting for the first sample's pages rather than computing them alongside.
@@ -185,10 +191,10 @@ def test_server_rejects_a_request_longer_than_the_pool_and_reports_the_cache():
                             tokens += json.loads(line[6:])["choices"][0]["logprobs"]["tokens"]
                 full = (await c.post("/v1/completions", json={**body, "stream": False})).json()
                 return tokens, full["choices"][0]["logprobs"]["tokens"]
-            preempted = engine.scheduler.num_preemptions
+            preempted = engine.counter("num_preemptions")
             for streamed, collected in await asyncio.gather(*(stream(i) for i in range(8))):
                 assert streamed == collected and len(streamed) == 70  # each token exactly once
-            assert engine.scheduler.num_preemptions > preempted
+            assert engine.counter("num_preemptions") > preempted
             return (await c.get("/metrics")).text
     try:
         text = asyncio.run(run())

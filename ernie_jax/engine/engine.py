@@ -1,20 +1,14 @@
-"""The serving engine: continuous batching over paged KV pools, with prefill/decode disaggregation.
+"""The serving engine: requests, their rules, and the instances that serve them.
 
-`Engine.step()` asks the scheduler (engine/scheduler.py: pages on demand, preemption, the prefix cache) for
-this step's work, then runs one prefill step (the oldest admitted request's next chunk, batched with the
-next ones whose chunks fit the same length bucket, up to `prefill_chunk` tokens: vLLM's
-max_num_batched_tokens) and one decode step for every running request; requests join and leave the decode
-batch at every step. Disaggregated (`prefill_model` given): prefill runs on its own devices with its own
-copy of the weights and its own pool (which holds the prefix cache), decode on the rest; when a prompt is
-done and the decode pool has its pages, they move there in one batched transfer. Prefill and decode are
-dispatched before either result is read, so on disjoint devices they overlap. Colocated: both programs
-share one mesh and one pool.
-While the decode batch is unchanged (and no request uses penalties, which count every token on the host), a
-decode step's sampled tokens feed the next decode step on the device before the host reads them, so the
-host's bookkeeping overlaps the device's next step; a request that stops meanwhile has that one extra step
-computed (inside its own pages) and discarded.
+An `Engine` holds the requests and the queue of waiting ones, and one or two instances
+(engine/instance.py): colocated, one instance on the whole mesh does prefill and decode; disaggregated
+(`prefill_model` given), a prefill instance and a decode instance on disjoint submeshes, each with its own
+weights, pool and programs, stepping independently (`start()` gives each its own thread; `step()` steps
+them in turn) and moving finished prompts' KV from one to the other. With `pd_policy="dynamic"` (the
+default) both compile both programs and switch roles when one side's queue runs dry (engine/policy.py).
 A request stops on EOS (unless ignore_eos), a stop token or string, max_tokens or max_model_len; `abort`
-frees its pages at once. Bad requests raise `RequestError` at `add_request` and leave the engine serving.
+frees its pages (at once, or at the holding instance's next step boundary while its thread runs). Bad
+requests raise `RequestError` at `add_request` and leave the engine serving.
 """
 
 from __future__ import annotations
@@ -23,16 +17,15 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
-import jax
 import numpy as np
 
+from ernie_jax.engine.instance import Instance
 from ernie_jax.engine.pages import PagePool
-from ernie_jax.engine.programs import (ModelPrograms, PageTransfer, buckets, decode_buckets, min_decode_rows,
-                                       plain_sampling, prefill_shapes)
+from ernie_jax.engine.policy import PDPolicy
+from ernie_jax.engine.programs import ModelPrograms, PageTransfer, buckets, decode_buckets, min_decode_rows, prefill_shapes
 from ernie_jax.engine.request import Request, RequestError, RequestMetrics
-from ernie_jax.engine.scheduler import Scheduler
 from ernie_jax.model.ernie import ErnieForCausalLM
 from ernie_jax.ops.base import FALLBACKS
 from ernie_jax.sampling import SamplingParams
@@ -41,15 +34,6 @@ from ernie_jax.tokenizer import IncrementalDetokenizer
 __all__ = ["Engine", "Request", "RequestError", "CompileReport"]
 
 log = logging.getLogger("ernie_jax.engine")
-
-
-class Dispatched(NamedTuple):
-    """A program step in flight: its sampled tokens (and logprobs) and expert counts are still on the device."""
-    kind: str  # "prefill" or "decode"
-    reqs: list  # the request of each row (None: a prefill row mid-prompt)
-    result: Any  # sample()'s (tokens, logprobs, top ids, top logprobs), or None for a chunk mid-prompt
-    t0: float  # dispatch time
-    counts: Any  # tokens per expert per MoE layer
 
 
 def _logprob_entry(token: int, logprob, top_ids, top_lps, n: int) -> dict[str, Any]:
@@ -69,7 +53,8 @@ class Engine:
                  num_pages: int | None = None, gpu_memory_utilization: float | None = None,
                  enable_prefix_caching: bool = True, prefill_chunk: int = 512, kv_cache_dtype: str = "auto",
                  eos_token_ids: frozenset[int] = frozenset(), tokenizer=None, seed: int = 0,
-                 batch_invariant: bool = False, background_compile: bool = False):
+                 batch_invariant: bool = False, background_compile: bool = False,
+                 pd_policy: str | PDPolicy = "dynamic"):
         """model: the decode-side model (placed on its mesh). prefill_model: the same weights on a disjoint
         mesh for disaggregated prefill, or None to prefill with `model` (colocated).
         num_pages: pages per pool (vLLM's num_gpu_blocks_override), else sized from device memory
@@ -80,9 +65,11 @@ class Engine:
         reduction order by shape, so with several batch shapes a near-tie in greedy decoding can resolve
         differently alone and in a batch.
         background_compile: return once the largest bucket of each program compiled; the others compile
-        in the background (a server is up sooner; small batches run padded until their bucket is ready)."""
+        in the background (a server is up sooner; small batches run padded until their bucket is ready).
+        pd_policy: disaggregated only: "static" (fixed roles), "dynamic" (role switching) or a PDPolicy."""
         if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        self.policy = pd_policy if isinstance(pd_policy, PDPolicy) else PDPolicy(pd_policy)
         self.cfg = model.config
         self.max_num_seqs, self.max_model_len, self.page_size = max_num_seqs, max_model_len, page_size
         self.max_pages = -(-max_model_len // page_size)
@@ -97,83 +84,97 @@ class Engine:
                     memory_utilization=gpu_memory_utilization,
                     pages_without_memory_limit=max_num_seqs * self.max_pages + 1)
         # A server compiles the prompt-scoring prefill of each chunk length behind it too, so the first echo
-        # + logprobs request does not compile on the engine thread while streams wait.
+        # + logprobs request does not compile on an engine thread while streams wait.
         scoring = tuple(chunks) if background_compile else ()
-        self.decoder = ModelPrograms(model, prefill_buckets=[] if prefill_model is not None else prefills,
-                                     decode_buckets=batches, name="decode" if prefill_model is not None else
-                                     "colocated", score_buckets=() if prefill_model is not None else scoring,
-                                     **pool)
+        both = prefill_model is None or self.policy.mode == "dynamic"  # which programs each instance compiles
+        self.lock = threading.RLock()  # the waiting queue, the requests, the instances' inboxes
+        self.waiting: list[Request] = []
+        self.expert_shape = (self.cfg.num_moe_layers, self.cfg.moe_num_experts)
+        salt_dtype = None
+        self.instances: list[Instance] = []
+        for name, home, m in ([("colocated", "mixed", model)] if prefill_model is None else
+                              [("prefill", "prefill", prefill_model), ("decode", "decode", model)]):
+            programs = ModelPrograms(m, prefill_buckets=prefills if both or home == "prefill" else [],
+                                     decode_buckets=batches if both or home == "decode" else [], name=name,
+                                     score_buckets=scoring if both or home == "prefill" else (), **pool)
+            # The prefix cache's hash chain starts from what else decides a page's KV besides its tokens.
+            salt_dtype = salt_dtype or programs.cache.k[0].dtype
+            self.instances.append(Instance(name, home, programs, self, policy=self.policy, waiting=self.waiting,
+                                           enable_prefix_caching=enable_prefix_caching,
+                                           salt=f"kv {salt_dtype} page {page_size}".encode()))
         if prefill_model is not None:
-            self.prefiller = ModelPrograms(prefill_model, prefill_buckets=prefills, decode_buckets=[],
-                                           name="prefill", score_buckets=scoring, **pool)
-            self.transfer = PageTransfer(self.prefiller, self.decoder)
-        else:
-            self.prefiller, self.transfer = self.decoder, None
-        # The prefix cache's hash chain starts from what else decides a page's KV besides its tokens.
-        salt = f"kv {self.prefiller.cache.k[0].dtype} page {page_size}".encode()
-        self.allocator = PagePool(self.decoder.num_pages, page_size,
-                                  enable_caching=enable_prefix_caching and not self.disaggregated, salt=salt)
-        self.prefill_allocator = PagePool(self.prefiller.num_pages, page_size, enable_caching=enable_prefix_caching,
-                                          salt=salt) if self.disaggregated else None
-        self.scheduler = Scheduler(self.allocator, self.prefill_allocator, max_num_seqs=max_num_seqs,
-                                   max_pages=self.max_pages)
-        for name, p in (("KV", self.allocator), ("prefill KV", self.prefill_allocator)):
-            if p is not None and p.capacity < self.max_pages:
+            prefill, decode = self.instances
+            prefill.peer, decode.peer = decode, prefill
+            prefill.transfer = PageTransfer(prefill.programs, decode.programs)
+        for inst in self.instances:
+            if inst.pool.capacity < self.max_pages:
                 log.warning("the %s pool holds %d tokens, less than max_model_len %d: requests that may grow "
-                            "past it are rejected", name, p.capacity * page_size, max_model_len)
-        programs = [self.decoder] + ([self.prefiller] if self.disaggregated else [])
+                            "past it are rejected", inst.name, inst.pool.capacity * page_size, max_model_len)
         if background_compile:  # one thread, so serving keeps a core
-            threading.Thread(target=lambda: [p.compile_rest(workers=1) for p in programs], daemon=True,
-                             name="ernie-compile").start()
+            threading.Thread(target=lambda: [i.programs.compile_rest(workers=1) for i in self.instances],
+                             daemon=True, name="ernie-compile").start()
         else:
-            for p in programs:
-                p.compile_rest()
+            for inst in self.instances:
+                inst.programs.compile_rest()
         self.startup_seconds = time.perf_counter() - t0
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._rng = np.random.default_rng(seed)
-        self.busy_seconds = {"prefill": 0.0, "decode": 0.0}  # per program kind: dispatch to result
-        # A decode step whose tokens are still on the device: the next step feeds them to the following
-        # decode step before reading them, so the host's work overlaps the device's (see step()).
-        self._ahead: Dispatched | None = None
         self.moe_layers = [i for i in range(self.cfg.num_hidden_layers) if self.cfg.is_moe_layer(i)]
-        self.expert_tokens = np.zeros((len(self.moe_layers), self.cfg.moe_num_experts), np.int64)
+        self.role_switches: dict[tuple[str, str, str], int] = {}  # (instance, from, to) -> count
+        self.placements: dict[tuple[str, str], int] = {}  # finished requests by (prefilled on, decoded on)
+        self.on_output: Callable[[Request], None] | None = None  # set by start(): token or finish
+        self._threads: list[threading.Thread] = []
+        self._wake = threading.Condition(self.lock)
+        self._stop = False
 
-    # ---- requests -----------------------------------------------------------------------------------------
+    # ---- state ----------------------------------------------------------------------------------------------
     @property
     def disaggregated(self) -> bool:
-        return self.transfer is not None
+        return len(self.instances) > 1
 
-    @property
-    def waiting(self) -> list[Request]:
-        return self.scheduler.waiting
+    def instance(self, name: str) -> Instance:
+        return next(i for i in self.instances if i.name == name)
 
     @property
     def prefilling(self) -> list[Request]:
-        return self.scheduler.prefilling
+        return [r for i in self.instances for r in i.prefilling]
 
     @property
     def running(self) -> list[Request]:
-        return self.scheduler.running
+        return [r for i in self.instances for r in i.running]
+
+    @property
+    def num_handing_over(self) -> int:
+        return sum(len(i.inbox) for i in self.instances)
 
     @property
     def pools(self) -> dict[str, PagePool]:
-        """The KV page pools by role: {"colocated": pool} or {"prefill": pool, "decode": pool}."""
-        if not self.disaggregated:
-            return {"colocated": self.allocator}
-        return {"prefill": self.prefill_allocator, "decode": self.allocator}
+        """The KV page pools by instance: {"colocated": pool} or {"prefill": pool, "decode": pool}."""
+        return {i.name: i.pool for i in self.instances}
+
+    @property
+    def expert_tokens(self) -> np.ndarray:
+        """Tokens routed to each expert of each MoE layer, [L_moe, E], over every instance."""
+        return sum(i.expert_tokens for i in self.instances)
+
+    def counter(self, name: str) -> int:
+        """A scheduler counter (num_preemptions, prefix_queries, prefix_hits, prefill_tokens) summed over
+        the instances."""
+        return sum(getattr(i.scheduler, name) for i in self.instances)
 
     @property
     def compile_report(self) -> "CompileReport":
         """The compiled programs (name, bucket, seconds) and, per op, the implementation the programs run and
         why preferred ones were not used (ops/execution.py; layout fallbacks met while tracing included)."""
-        programs = self.decoder.report + (self.prefiller.report if self.disaggregated else [])
-        ops = self.decoder.execution.report()
+        programs = [entry for i in self.instances for entry in i.programs.report]
+        ops = self.instances[0].programs.execution.report()
         for entry in ops:
             entry["layout_fallbacks"] = "; ".join(f"{impl} -> xla for {why}" for op, impl, why in FALLBACKS
                                                   if op == entry["op"])
         return CompileReport(programs, ops)
 
+    # ---- requests -------------------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
             raise RequestError("the prompt is empty")
@@ -187,10 +188,12 @@ class Engine:
             raise RequestError(f"{len(prompt_ids)} prompt tokens + max_tokens {params.max_tokens} exceed "
                                f"max_model_len {self.max_model_len}")
         longest = min(len(prompt_ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
-        if why := self.scheduler.check_fits(longest):
-            limit = f"max_tokens {params.max_tokens}" if params.max_tokens else f"max_model_len {self.max_model_len}"
-            raise RequestError(f"{len(prompt_ids)} prompt tokens with {limit}: {why}; lower max_tokens or "
-                               "give the server more KV pages (--num-gpu-blocks-override, --gpu-memory-utilization)")
+        for inst in self.instances:
+            if why := inst.scheduler.check_fits(longest):
+                limit = f"max_tokens {params.max_tokens}" if params.max_tokens else f"max_model_len {self.max_model_len}"
+                raise RequestError(f"{len(prompt_ids)} prompt tokens with {limit}: {why} ({inst.name}); lower "
+                                   "max_tokens or give the server more KV pages (--num-gpu-blocks-override, "
+                                   "--gpu-memory-utilization)")
         V = self.cfg.vocab_size
         bad = [t for t in list(params.logit_bias or ()) + params.stop_token_ids if not 0 <= t < V]
         if bad:
@@ -199,75 +202,72 @@ class Engine:
             raise RequestError("stop strings need a tokenizer; use stop_token_ids")
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Validate and queue a request (any thread; never waits for a step); returns its id."""
         prompt_ids = [int(t) for t in prompt_ids]
         self.validate(prompt_ids, params)
-        request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self.requests:
-            raise RequestError(f"request id {request_id!r} is already in use")
-        seed = params.seed if params.seed is not None else int(self._rng.integers(2**31))
-        req = Request(request_id, prompt_ids, params, seed, RequestMetrics(time.perf_counter()))
-        if self.tokenizer is not None:
-            req.text, req.detokenizer = "", IncrementalDetokenizer(self.tokenizer)
-        self.requests[request_id] = req
-        self.waiting.append(req)
+        with self.lock:
+            request_id = request_id or f"req-{next(self._ids)}"
+            if request_id in self.requests:
+                raise RequestError(f"request id {request_id!r} is already in use")
+            seed = params.seed if params.seed is not None else int(self._rng.integers(2**31))
+            req = Request(request_id, prompt_ids, params, seed, RequestMetrics(time.perf_counter()))
+            if self.tokenizer is not None:
+                req.text, req.detokenizer = "", IncrementalDetokenizer(self.tokenizer)
+            self.requests[request_id] = req
+            self.waiting.append(req)
+            self._wake.notify_all()
         return request_id
 
     def abort(self, request_id: str) -> None:
-        req = self.requests.get(request_id)
-        if req is not None and not req.finished:
-            self._finish(req, "abort", None)
+        """Finish a request as aborted and free its pages: at once when no instance thread runs or it still
+        waits, else at the holding instance's next step boundary."""
+        with self.lock:
+            req = self.requests.get(request_id)
+            if req is None or req.finished:
+                return
+            holder = next((i for i in self.instances if i.holds(req)), None)
+            if holder is None or not self._threads:
+                if holder is not None:
+                    holder.inbox[:] = [h for h in holder.inbox if h.req is not req]
+                self.finish(req, "abort", None, holder)
+                if self.on_output is not None:
+                    self.on_output(req)
+                return
+            req.abort_requested = True
+            self._wake.notify_all()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return bool(self.waiting) or any(i.scheduler.seats_taken or i.inbox for i in self.instances)
 
-    def _finish(self, req: Request, reason: str, stop_reason) -> None:
+    def finish(self, req: Request, reason: str, stop_reason, holder: Instance | None) -> None:
+        """End a request: free its pages on `holder` (the instance holding them, or None)."""
         if req.detokenizer is not None and not isinstance(stop_reason, str):
             req.text = self.tokenizer.decode(req.output_ids)  # includes any bytes the stream held back
         req.finish_reason, req.stop_reason = reason, stop_reason
         req.metrics.finished_time = time.perf_counter()
-        self.scheduler.finish(req)
-        self.requests.pop(req.request_id, None)
+        with self.lock:
+            if holder is not None:
+                holder.scheduler.finish(req)
+            if req in self.waiting:
+                self.waiting.remove(req)
+            self.requests.pop(req.request_id, None)
+            if req.prefilled_on is not None:
+                key = (req.prefilled_on, req.decoded_on)
+                self.placements[key] = self.placements.get(key, 0) + 1
 
-    def recover(self) -> list[Request]:
-        """After a step raised: every program donates its pool, so a device-side failure can leave a pool
-        consumed. Rebuild each pool (zeroed; its prefix cache forgotten), drop the step in flight, and
-        abort the requests that held pages (their KV is gone; waiting ones stay queued); returns them."""
-        self._ahead = None
-        s = self.scheduler
-        lost = s.prefilling + s.transferring + s.running
-        for req in lost:
-            self._finish(req, "abort", None)
-        for programs in {id(p): p for p in (self.decoder, self.prefiller)}.values():
-            programs.reset_cache()
-        for pool in self.pools.values():
-            pool.reset_cache()
-        return lost
+    def role_switch(self, instance: str, src: str, dst: str) -> None:
+        with self.lock:
+            key = (instance, src, dst)
+            self.role_switches[key] = self.role_switches.get(key, 0) + 1
 
-    # ---- scheduling ---------------------------------------------------------------------------------------
-    def _next_chunk(self, req: Request) -> list[int]:
-        return req.prefill_ids[req.num_prefilled:req.num_prefilled + self.prefill_chunk]
+    now = staticmethod(time.perf_counter)  # the instances' clock (the simulator's is virtual)
 
-    def _prefill_rows(self) -> tuple[list[tuple[Request, int, list[int]]], int, int]:
-        """This step's prefill chunks: the oldest prefilling request's next chunk, joined by the next
-        requests' chunks when a batched program (B > 1) of some length T holds them, up to its B (so at most
-        max_num_batched_tokens tokens). Returns ([(request, start, chunk)], T, B)."""
-        first = self.prefilling[0]
-        T = self.prefiller.bucket("prefill", len(self._next_chunk(first)))
-        rows = [(first, first.num_prefilled, self._next_chunk(first))]
-        batched = [t for b, t in self.prefiller.ready["prefill"] if b > 1 and t >= T]
-        if not first.scores_prompt and batched and len(self.prefilling) > 1:
-            wide = min(batched)
-            room = self.prefiller.prefill_batches(wide)[-1] - 1
-            others = [(r, r.num_prefilled, self._next_chunk(r)) for r in self.prefilling[1:]
-                      if not r.scores_prompt and len(self._next_chunk(r)) <= wide][:room]
-            if others:
-                T, rows = wide, rows + others
-        return rows, T, next(b for b in self.prefiller.prefill_batches(T) if b >= len(rows))
+    def wake(self) -> None:
+        with self.lock:
+            self._wake.notify_all()
 
-    def _table(self, pages: list[int]) -> np.ndarray:
-        return np.asarray(pages + [0] * (self.max_pages - len(pages)), np.int32)
-
-    def _sampling_arrays(self, reqs: list[Request], B: int) -> tuple[dict, int]:
+    # ---- token rules (called by the instances) ----------------------------------------------------------------
+    def sampling_arrays(self, reqs: list[Request], B: int) -> tuple[dict, int]:
         """Per-row sampling inputs for the next token of each request (its index: len(output_ids), plus the
         tokens in flight the caller adds to `steps`)."""
         pad = B - len(reqs)
@@ -298,7 +298,8 @@ class Engine:
     def _stop_ids(self, req: Request) -> set[int]:
         return set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else set(self.eos_token_ids))
 
-    def _append(self, req: Request, token: int, logprob: float, top_ids, top_lps) -> None:
+    def append(self, req: Request, token: int, logprob: float, top_ids, top_lps, holder: Instance) -> None:
+        """A sampled token joins req's output; stop conditions end it (freeing its pages on holder)."""
         now = time.perf_counter()
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
@@ -309,136 +310,24 @@ class Engine:
             req.text += req.detokenizer.add(token)
         n_out = len(req.output_ids)
         if token in self._stop_ids(req) and n_out >= req.params.min_tokens:
-            return self._finish(req, "stop", token)
+            return self.finish(req, "stop", token, holder)
         if req.params.stop and n_out >= req.params.min_tokens:
             for s in req.params.stop:
                 at = req.text.find(s)
                 if at >= 0:
                     req.text = req.text[:at]
-                    return self._finish(req, "stop", s)
-        if self._done_by_length(req, n_out):
-            return self._finish(req, "length", None)
-        if req in self.running:
-            self.scheduler.written(req, req.num_tokens - 1)  # every token but the newest has been fed
+                    return self.finish(req, "stop", s, holder)
+        if self.done_by_length(req, n_out):
+            return self.finish(req, "length", None, holder)
+        if req in holder.running:
+            holder.scheduler.written(req, req.num_tokens - 1)  # every token but the newest has been fed
 
-    def _make_room(self, touched: list[Request]) -> None:
-        """Pages for the running batch's next step (preempting if the pool is short), then, disaggregated,
-        move finished prompts whose decode pages are free into the decode pool."""
-        lag = 0 if self._ahead is None else 1  # tokens in flight per running request
-        if self.scheduler.shortfall(lag) > 0 and self._ahead is not None:
-            # A preemption changes the batch: the step in flight's tokens are needed on the host first.
-            self._read([self._ahead], touched)
-            self._ahead, lag = None, 0
-        self.scheduler.grow(lag)
-        if self.disaggregated:
-            for req, src in self.scheduler.hand_over():
-                self.transfer(src, req.pages[:len(src)])
-                self.scheduler.release_prefill(req)
-
-    def step(self) -> list[Request]:
-        """One scheduling step; returns the requests that got a token (or finished) in it."""
-        touched: list[Request] = []
-        self._make_room(touched)
-        self.scheduler.admit(time.perf_counter())
-        pending, scored = [], []
-        if self.prefilling:
-            rows, T, B = self._prefill_rows()
-            ids, positions = np.zeros((B, T), np.int32), np.tile(np.arange(T, dtype=np.int32), (B, 1))
-            tables = np.zeros((B, self.max_pages), np.int32)  # padding rows write the null page 0
-            last = np.full(B, -1, np.int32)  # -1: a padding row, no real token
-            for i, (req, start, chunk) in enumerate(rows):
-                ids[i, :len(chunk)] = chunk
-                positions[i] += start
-                tables[i] = self._table(req.prefill_pages if self.disaggregated else req.pages)
-                last[i] = len(chunk) - 1
-            t0 = time.perf_counter()
-            req, start, chunk = rows[0]
-            arrays, nlp = self._sampling_arrays([r for r, _, _ in rows], B)
-            if req.scores_prompt:  # a scored chunk runs alone
-                targets = req.prompt_ids[start + 1:start + 1 + len(chunk)]  # the token after each position
-                padded = np.asarray([targets + [0] * (T - len(targets))], np.int32)
-                logits, c, scores = self.prefiller.run_scored(ids, positions, last, tables, padded)
-                scored.append((req, start, targets, scores))
-                sampled = None
-            else:
-                logits, c, sampled = self.prefiller.run("prefill", ids, positions, last, tables, arrays)
-            done = []  # rows whose prompt is now complete get their next token
-            for req, start, chunk in rows:
-                self.scheduler.prefilled(req, len(chunk))
-                done.append(req if req.num_prefilled == len(req.prefill_ids) else None)
-            if any(done):
-                result = sampled if sampled is not None and plain_sampling(arrays, nlp) else \
-                    self.prefiller.sample(logits, arrays, nlp)
-                pending.append(Dispatched("prefill", done, result, t0, c))
-            else:
-                pending.append(Dispatched("prefill", [], None, t0, c))  # a chunk mid-prompt: only its expert counts
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and not self._continues(ahead):
-            # The batch changed since the step in flight was dispatched: its tokens are needed on the host.
-            self._read([ahead], touched)
-            ahead = None
-        if self.running:
-            reqs = list(self.running)
-            B = self.decoder.bucket("decode", len(reqs))
-            pad = B - len(reqs)
-            lag = 0 if ahead is None else 1  # tokens in flight per request, not yet in output_ids
-            if ahead is None:
-                ids = np.asarray([[r.output_ids[-1]] for r in reqs] + [[0]] * pad, np.int32)
-            else:  # the step in flight's sampled tokens, still on the device
-                ids = ahead.result[0].reshape(B, 1)
-            positions = np.asarray([[r.num_tokens - 1 + lag] for r in reqs] + [[0]] * pad, np.int32)
-            tables = np.stack([self._table(r.pages) for r in reqs] + [self._table([])] * pad)
-            last = np.asarray([0] * len(reqs) + [-1] * pad, np.int32)  # -1: a padding row, no real token
-            arrays, nlp = self._sampling_arrays(reqs, B)
-            arrays["steps"][:len(reqs)] += lag
-            t0 = time.perf_counter()
-            logits, c, sampled = self.decoder.run("decode", ids, positions, last, tables, arrays)
-            result = sampled if plain_sampling(arrays, nlp) else self.decoder.sample(logits, arrays, nlp)
-            step = Dispatched("decode", reqs, result, t0, c)
-            if any(r.params.uses_penalties for r in reqs):
-                pending.append(step)  # penalties count every output token: the host needs this one first
-            else:
-                self._ahead = step  # read by the next step, while the device runs the one after it
-        if ahead is not None:
-            pending.insert(0, ahead)
-        self._read(pending, touched, scored)
-        return touched
-
-    def _done_by_length(self, req: Request, n_out: int) -> bool:
+    def done_by_length(self, req: Request, n_out: int) -> bool:
         """Whether n_out output tokens end req by length (max_tokens or max_model_len)."""
         return (req.params.max_tokens is not None and n_out >= req.params.max_tokens) or \
             len(req.prompt_ids) + n_out >= self.max_model_len
 
-    def _continues(self, step: Dispatched) -> bool:
-        """Whether the next decode step can take `step`'s sampled tokens as they are on the device: the same
-        requests in the same order, at the same batch size, and not all of them ending by length with those
-        tokens (a step chained after them would be wasted device time)."""
-        reqs = step.reqs
-        return (len(reqs) == len(self.running) and all(a is b for a, b in zip(reqs, self.running))
-                and step.result[0].shape[0] == self.decoder.bucket("decode", len(reqs))
-                and not all(self._done_by_length(r, len(r.output_ids) + 1) for r in reqs))
-
-    def _read(self, pending: list[Dispatched], touched: list[Request], scored: tuple = ()) -> None:
-        """Wait for dispatched steps and append their tokens (in dispatch order)."""
-        for c in jax.device_get([step.counts for step in pending]):
-            self.expert_tokens += c
-        for req, start, targets, scores in scored:
-            self._add_prompt_logprobs(req, start, targets, jax.device_get(scores))
-        for kind, reqs, result, t0, _ in pending:  # every program is in flight before any is read
-            if result is None:  # a prefill chunk mid-prompt
-                continue
-            tokens, lps, top_ids, top_lps = jax.device_get(result)
-            self.busy_seconds[kind] += time.perf_counter() - t0
-            for i, req in enumerate(reqs):
-                # a prefill row mid-prompt, or a request aborted or preempted meanwhile
-                if req is None or req.finished or (kind == "decode" and req not in self.running):
-                    continue
-                if kind == "prefill":
-                    self.scheduler.prompt_done(req)
-                self._append(req, int(tokens[i]), lps[i], top_ids[i], top_lps[i])
-                touched.append(req)
-
-    def _add_prompt_logprobs(self, req: Request, start: int, targets: list[int], scores) -> None:
+    def add_prompt_logprobs(self, req: Request, start: int, targets: list[int], scores) -> None:
         target_lp, top_ids, top_lps = (a[0] for a in scores)
         if start == 0:
             req.prompt_logprobs.append(None)  # nothing precedes the first prompt token
@@ -446,7 +335,63 @@ class Engine:
             req.prompt_logprobs.append(_logprob_entry(token, target_lp[i], top_ids[i], top_lps[i],
                                                       req.params.prompt_logprobs))
 
+    # ---- stepping -------------------------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """One step of every instance, all dispatched before any is read; returns the requests that got a
+        token (or finished). Not while start()'s threads run."""
+        if self._threads:
+            raise RuntimeError("the engine's instances step on their own threads (start()); step() is for "
+                               "single-threaded use")
+        touched: list[Request] = []
+        pending = [(inst, inst.begin(touched)) for inst in self.instances]
+        for inst, p in pending:
+            inst.end(p, touched)
+        return touched
+
     def run_until_done(self, request_ids: list[str]) -> None:
         targets = [self.requests[r] for r in request_ids]
         while not all(r.finished for r in targets):
             self.step()
+
+    def recover(self) -> list[Request]:
+        """After step() raised: rebuild every instance's pool (Instance.recover); returns the requests lost."""
+        return [r for inst in self.instances for r in inst.recover()]
+
+    def start(self, on_output: Callable[[Request], None], on_error: Callable[[Request, BaseException], None]) -> None:
+        """Step each instance on its own thread until stop(). on_output(req): req got a token or finished;
+        on_error(req, exc): a step failed and req (which held pages there) is lost; the instance rebuilds
+        its pool and keeps serving. Both are called on the instance's thread."""
+        self.on_output, self._stop = on_output, False
+        self._threads = [threading.Thread(target=self._loop, args=(inst, on_output, on_error), daemon=True,
+                                          name=f"ernie-{inst.name}") for inst in self.instances]
+        for t in self._threads:
+            t.start()
+
+    @property
+    def alive(self) -> bool:
+        """Whether start()'s instance threads are all running."""
+        return bool(self._threads) and all(t.is_alive() for t in self._threads)
+
+    def stop(self) -> None:
+        self._stop = True
+        self.wake()
+        for t in self._threads:
+            t.join(timeout=10)
+        self._threads = []
+
+    def _loop(self, inst: Instance, on_output, on_error) -> None:
+        while not self._stop:
+            with self.lock:
+                if inst.idle() and not self._stop:
+                    self._wake.wait(timeout=0.05)
+                    continue
+            try:
+                touched = inst.step()
+            except Exception as e:  # noqa: BLE001 -- fail the requests that held pages, keep serving
+                log.exception("%s: step failed; rebuilding its KV pool and failing the requests that held pages",
+                              inst.name)
+                for req in inst.recover():
+                    on_error(req, e)
+                continue
+            for req in touched:
+                on_output(req)

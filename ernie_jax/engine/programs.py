@@ -343,9 +343,11 @@ class ModelPrograms:
 
 
 class PageTransfer:
-    """Moves a request's KV pages from one pool to another: gather on the source mesh, one device_put,
-    scatter into the destination pool (donated). Page counts are bucketed to powers of two, so a few
-    compiled shapes serve every prompt length; each move is timed (it waits for the scatter)."""
+    """Moves requests' KV pages from one instance's pool to another's in two halves, each run by the thread
+    of the instance whose pool it touches: `gather` (sender: gather the pages on the source mesh, one
+    device_put onto the destination mesh, wait for it) and `scatter` (receiver: write them into its pool,
+    donated, not waited for). Page counts are bucketed to powers of two, so a few compiled shapes serve
+    every prompt length; `seconds` totals the gathers and copies."""
 
     def __init__(self, src: ModelPrograms, dst: ModelPrograms):
         self.src, self.dst = src, dst
@@ -358,21 +360,27 @@ class PageTransfer:
                                 donate_argnums=(0,), in_shardings=(dst.cache_shardings, self.page_shardings,
                                                                    dst.replicated),
                                 out_shardings=dst.cache_shardings)
-        self.seconds, self.bytes = 0.0, 0
+        self.seconds, self.bytes, self.moves = 0.0, 0, 0
         self.last: tuple[list[int], list[int]] | None = None  # (source, destination) pages of the last move
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def __call__(self, src_pages: list[int], dst_pages: list[int]) -> None:
+    def gather(self, src_pages: list[int]):
+        """The pages' KV as a page batch on the destination mesh; returns once the copy has landed."""
         n = self.bucket(len(src_pages))
-        pad = [0] * (n - len(src_pages))  # the null page on both sides
         t0 = time.perf_counter()
-        pages = self._gather(self.src.cache, self.src.put(np.asarray(src_pages + pad, np.int32)))
-        moved = jax.device_put(pages, self.page_shardings)
-        self.dst.cache = self._scatter(self.dst.cache, moved, self.dst.put(np.asarray(dst_pages + pad, np.int32)))
-        jax.block_until_ready(self.dst.cache)
+        pages = self._gather(self.src.cache, self.src.put(np.asarray(src_pages + [0] * (n - len(src_pages)), np.int32)))
+        moved = jax.block_until_ready(jax.device_put(pages, self.page_shardings))
         self.seconds += time.perf_counter() - t0
         self.bytes += sum(a.nbytes for a in jax.tree.leaves(pages)) * len(src_pages) // n
-        self.last = (list(src_pages), list(dst_pages))
+        self.moves += 1
+        return moved
 
+    def scatter(self, moved, src_pages: list[int], dst_pages: list[int]) -> None:
+        """Write the page batch gathered from src_pages into the destination pool at dst_pages (as many;
+        the batch's padding goes to the null page)."""
+        n = jax.tree.leaves(moved)[0].shape[1]
+        ids = self.dst.put(np.asarray(dst_pages + [0] * (n - len(dst_pages)), np.int32))
+        self.dst.cache = self._scatter(self.dst.cache, moved, ids)
+        self.last = (list(src_pages), list(dst_pages))

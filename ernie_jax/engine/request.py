@@ -38,8 +38,7 @@ class Request:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[dict[str, Any] | None] = dataclasses.field(default_factory=list)  # None for token 0
-    pages: list[int] = dataclasses.field(default_factory=list)  # in the decode (or only) pool
-    prefill_pages: list[int] = dataclasses.field(default_factory=list)  # in the prefill pool when disaggregated
+    pages: list[int] = dataclasses.field(default_factory=list)  # in the pool of the instance holding it
     # What the current prefill computes: the prompt, followed, after a preemption, by the tokens already
     # produced (they are kept and recomputed into the cache, never sent again).
     prefill_ids: list[int] = dataclasses.field(default_factory=list)
@@ -50,6 +49,9 @@ class Request:
     admitted: int = -1  # admission order: preemption takes the latest
     num_preemptions: int = 0
     bypassed: int = 0  # admissions that went past this request while it waited at the head of the queue
+    prefilled_on: str | None = None  # the instance that prefilled it (last, after preemptions)
+    decoded_on: str | None = None  # the instance that produced its last token
+    abort_requested: bool = False  # set by another thread; the instance holding it finishes it
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text: str | None = None  # with a tokenizer: the detokenized output (cut before a stop string)

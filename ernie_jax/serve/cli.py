@@ -33,6 +33,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--prefill-devices", type=int, default=None, help="devices of the prefill submesh (default: half)")
     a("--no-disaggregate", dest="disaggregate", action="store_false",
       help="run prefill and decode on the whole mesh (colocated) instead of on disjoint submeshes")
+    a("--pd-policy", default="dynamic", choices=["static", "dynamic"],
+      help="disaggregated: static keeps the prefill and decode roles fixed; dynamic lets an idle side take "
+           "the other's work (the prefill submesh decodes when no prompt waits, the decode submesh prefills "
+           "when prompts wait and its batch has room)")
     a("--sharding", default="tp_ep", choices=["tp_ep", "tp", "dp_attn_ep"])
     a("--max-model-len", type=int, default=None, help="prompt + output tokens (default: min(model's, 2048))")
     a("--background-compile", action=argparse.BooleanOptionalAction, default=True,
@@ -115,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
               num_pages=args.num_gpu_blocks_override, gpu_memory_utilization=args.gpu_memory_utilization,
               enable_prefix_caching=args.enable_prefix_caching, prefill_chunk=args.max_num_batched_tokens,
               compilation_cache_dir=args.compilation_cache_dir or None, batch_invariant=args.batch_invariant,
-              background_compile=args.background_compile, kernels=args.kernels)
+              background_compile=args.background_compile, kernels=args.kernels,
+              pd_policy=args.pd_policy)
     if llm.tokenizer is None:
         raise SystemExit(f"{model_dir} has no tokenizer.model; the server needs one to render chats and text")
     _log_startup(llm, model_dir, args)
@@ -154,29 +159,28 @@ def _log_startup(llm, model_dir: str, args) -> None:
     log.info("loaded %s: %d layers (%d MoE, %d experts top-%d), hidden %d, vocab %d, weights %s, KV cache %s",
              model_dir, cfg.num_hidden_layers, cfg.num_moe_layers, cfg.moe_num_experts, cfg.moe_k, cfg.hidden_size,
              cfg.vocab_size, q, args.kv_cache_dtype)
-    ids = lambda programs: ",".join(str(d.id) for d in programs.devices)  # noqa: E731
+    ids = lambda inst: ",".join(str(d.id) for d in inst.programs.devices)  # noqa: E731
+    platform = engine.instances[0].programs.devices[0].platform
     if engine.disaggregated:
-        log.info("mesh split: prefill on devices [%s], decode on devices [%s] (%s)", ids(engine.prefiller),
-                 ids(engine.decoder), engine.decoder.devices[0].platform)
+        log.info("mesh split: prefill on devices [%s], decode on devices [%s] (%s); pd policy %s",
+                 ids(engine.instance("prefill")), ids(engine.instance("decode")), platform, engine.policy.mode)
     else:
-        log.info("colocated: prefill and decode on devices [%s] (%s)", ids(engine.decoder),
-                 engine.decoder.devices[0].platform)
+        log.info("colocated: prefill and decode on devices [%s] (%s)", ids(engine.instances[0]), platform)
     report = engine.compile_report
     for op in report.ops:
         log.info("op %s: %s%s%s", op["op"], op["implementation"],
                  f" (not used: {op['passed_over']})" if op["passed_over"] else "",
                  f"; layout fallbacks: {op['layout_fallbacks']}" if op["layout_fallbacks"] else "")
-    pending = engine.decoder.pending + (engine.prefiller.pending if engine.disaggregated else 0)
+    pending = sum(i.programs.pending for i in engine.instances)
     log.info("compiled %d programs in %.1f s (%s)%s; max_model_len %d, max_num_seqs %d",
              len(report.programs), engine.startup_seconds,
              ", ".join(f"{name} {size}: {sec:.1f}s" for name, size, sec in report.programs),
              f", {pending} more compiling in the background" if pending else "", engine.max_model_len,
              engine.max_num_seqs)
-    sizing = {"decode": engine.decoder.pool_sizing, "colocated": engine.decoder.pool_sizing,
-              "prefill": engine.prefiller.pool_sizing}
-    for role, pool in engine.pools.items():
-        log.info("KV pool %s: %d pages of %d tokens (%d tokens; sized by %s), prefix caching %s", role,
-                 pool.capacity, pool.page_size, pool.capacity * pool.page_size, sizing[role],
+    for inst in engine.instances:
+        pool = inst.pool
+        log.info("KV pool %s: %d pages of %d tokens (%d tokens; sized by %s), prefix caching %s", inst.name,
+                 pool.capacity, pool.page_size, pool.capacity * pool.page_size, inst.programs.pool_sizing,
                  "on" if pool.enable_caching else "off")
 
 

@@ -3,7 +3,8 @@
 Per-request histograms (TTFT, TPOT, end-to-end, queue time) and outcome counters are observed when a
 request finishes (on the engine thread) or is rejected (on the HTTP side). Engine state -- running and
 waiting requests, KV-cache usage per pool, tokens routed to each expert of each MoE layer, each
-submesh's busy seconds, KV transfer totals -- is read at scrape time by a collector, so it costs nothing
+instance's busy seconds and steps, KV transfer totals, PD role switches and
+where requests were prefilled and decoded -- is read at scrape time by a collector, so it costs nothing
 between scrapes. Each server has its own registry (several can live in one process, e.g. in tests).
 """
 
@@ -69,7 +70,7 @@ class _EngineCollector:
     def collect(self):
         e, name = self.engine, self.model_name
         g = GaugeMetricFamily("ernie_jax:num_requests_running", "Requests in prefill or decode", labels=["model_name"])
-        g.add_metric([name], e.scheduler.seats_taken)
+        g.add_metric([name], sum(i.scheduler.seats_taken for i in e.instances))
         yield g
         g = GaugeMetricFamily("ernie_jax:num_requests_waiting", "Requests waiting for KV pages or a batch slot",
                               labels=["model_name"])
@@ -87,14 +88,13 @@ class _EngineCollector:
         for role, pool in pools:
             g.add_metric([name, role], pool.cached_free / pool.capacity)
         yield g
-        s = e.scheduler
-        for metric, value, doc in (
-                ("prefix_cache_queries", s.prefix_queries, "Prompt tokens looked up in the prefix cache"),
-                ("prefix_cache_hits", s.prefix_hits, "Prompt tokens the prefix cache served"),
-                ("num_preemptions", s.num_preemptions, "Requests preempted (pages freed, recomputed later)"),
-                ("prefill_computed_tokens", s.prefill_tokens, "Tokens prefills computed (not served by the cache)")):
+        for metric, counter, doc in (
+                ("prefix_cache_queries", "prefix_queries", "Prompt tokens looked up in the prefix cache"),
+                ("prefix_cache_hits", "prefix_hits", "Prompt tokens the prefix cache served"),
+                ("num_preemptions", "num_preemptions", "Requests preempted (pages freed, recomputed later)"),
+                ("prefill_computed_tokens", "prefill_tokens", "Tokens prefills computed (not served by the cache)")):
             c = CounterMetricFamily(f"ernie_jax:{metric}", doc, labels=["model_name"])
-            c.add_metric([name], float(value))
+            c.add_metric([name], float(e.counter(counter)))
             yield c
         info = InfoMetricFamily("ernie_jax:op_implementation", "The implementation each op runs, and why preferred "
                                 "ones were not used", labels=["model_name", "op"])
@@ -109,17 +109,35 @@ class _EngineCollector:
                 c.add_metric([name, str(layer), str(expert)], float(n))
         yield c
         c = CounterMetricFamily("ernie_jax:submesh_busy_seconds", "Seconds from dispatch to result of each "
-                                "submesh's programs", labels=["model_name", "submesh", "program"])
-        for program, seconds in e.busy_seconds.items():
-            submesh = program if e.disaggregated else "colocated"
-            c.add_metric([name, submesh, program], seconds)
+                                "instance's (submesh's) programs", labels=["model_name", "submesh", "program"])
+        for inst in e.instances:
+            for program, seconds in inst.busy_seconds.items():
+                c.add_metric([name, inst.name, program], seconds)
+        yield c
+        c = CounterMetricFamily("ernie_jax:submesh_steps", "Steps each instance completed, per program",
+                                labels=["model_name", "submesh", "program"])
+        for inst in e.instances:
+            for program, n in inst.steps.items():
+                c.add_metric([name, inst.name, program], float(n))
         yield c
         if e.disaggregated:
+            transfer = e.instance("prefill").transfer
             c = CounterMetricFamily("ernie_jax:kv_transfer_seconds", "Time moving KV pages prefill -> decode",
                                     labels=["model_name"])
-            c.add_metric([name], e.transfer.seconds)
+            c.add_metric([name], transfer.seconds)
             yield c
             c = CounterMetricFamily("ernie_jax:kv_transfer_bytes", "KV bytes moved prefill -> decode",
                                     labels=["model_name"])
-            c.add_metric([name], float(e.transfer.bytes))
+            c.add_metric([name], float(transfer.bytes))
+            yield c
+            c = CounterMetricFamily("ernie_jax:pd_role_switches", "Times an instance started (to) or stopped "
+                                    "(back to its home role) doing the other role's work",
+                                    labels=["model_name", "submesh", "from", "to"])
+            for (inst, src, dst), n in sorted(e.role_switches.items()):
+                c.add_metric([name, inst, src, dst], float(n))
+            yield c
+            c = CounterMetricFamily("ernie_jax:pd_requests", "Finished requests by the instance that prefilled "
+                                    "them and the one that decoded them", labels=["model_name", "prefill", "decode"])
+            for (p, d), n in sorted(e.placements.items()):
+                c.add_metric([name, p, d], float(n))
             yield c

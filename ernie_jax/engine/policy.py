@@ -1,0 +1,101 @@
+"""Who does which work under prefill/decode disaggregation: the role-switching policy.
+
+Plain Python over snapshots of queue and instance state (`InstanceView`), so the engine's instance loops
+and the PD simulator (ernie_jax/sim) ask the same object. Each instance has a home role: "prefill",
+"decode" or "mixed" (colocated: one instance does both). At each of its step boundaries an instance asks:
+
+- `admit_seats`: how many waiting prompts it may take from the shared queue now;
+- `handover_count`: how many of its decoding requests go to the decode instance now.
+
+static: the prefill instance prefills and hands every finished prompt over; the decode instance never
+prefills (a preempted request goes back to the queue and is prefilled again by the prefill instance).
+
+dynamic (role switching):
+- prefill -> decode: while nothing waits and it has nothing to prefill, the prefill instance keeps the
+  prompts it finished and decodes them in place (no transfer), handing over only what makes the two decode
+  batches even (both instances decode; a decode step's cost grows slowly with its batch); as soon as a
+  prompt waits, it hands its decoding requests over to the decode instance (as far as that one has seats
+  free) and prefills.
+- decode -> prefill: when prompts wait while the prefill instance is busy prefilling, and the decode
+  instance's batch is at most `steal_max_occupancy` full with at least `steal_min_free_pages` of its pool
+  free, it prefills waiting prompts itself (they then decode where they were prefilled: no transfer),
+  filling its batch up to that occupancy.
+The prefill instance admits only while the decode instance's backlog of transferred requests waiting for
+pages is below `max_backlog` (prefilled KV waits in decode memory outside the pool).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+HOME_ROLES = ("prefill", "decode", "mixed")
+POLICIES = ("static", "dynamic")
+
+
+@dataclasses.dataclass(frozen=True)
+class InstanceView:
+    """What the policy sees of one instance at a step boundary."""
+    name: str
+    home: str  # "prefill", "decode" or "mixed"
+    prefilling: int  # requests whose prompt is being prefilled here
+    running: int  # requests decoding here
+    backlog: int  # requests handed over to this instance, waiting for its pages or seats
+    max_num_seqs: int
+    free_pages: int
+    capacity: int  # pages in its pool
+
+    @property
+    def seats_free(self) -> int:
+        return self.max_num_seqs - self.prefilling - self.running
+
+
+@dataclasses.dataclass(frozen=True)
+class PDPolicy:
+    mode: str = "dynamic"
+    steal_max_occupancy: float = 0.5  # decode instance prefills while its batch is at most this full
+    steal_min_free_pages: float = 0.25  # ... and at least this fraction of its pool is free
+    steal_min_waiting: int = 1  # ... and at least this many prompts wait
+    max_backlog: int | None = None  # handed-over requests waiting at the decode instance (None: max_num_seqs)
+
+    def __post_init__(self):
+        if self.mode not in POLICIES:
+            raise ValueError(f"pd policy {self.mode!r}: expected one of {POLICIES}")
+        if not 0 <= self.steal_max_occupancy <= 1 or not 0 <= self.steal_min_free_pages <= 1:
+            raise ValueError("steal_max_occupancy and steal_min_free_pages are fractions in [0, 1]")
+
+    def admit_seats(self, me: InstanceView, waiting: int, peer: InstanceView | None) -> int:
+        """How many waiting prompts `me` may admit for prefill now (its scheduler still checks pages)."""
+        if waiting == 0 or me.seats_free <= 0:
+            return 0
+        if me.home == "mixed":
+            return me.seats_free
+        if me.home == "prefill":
+            backlog_limit = self.max_backlog if self.max_backlog is not None else peer.max_num_seqs
+            return me.seats_free if peer.backlog < backlog_limit else 0
+        if self.mode == "static" or waiting < self.steal_min_waiting or peer.prefilling == 0:
+            return 0  # the prefill instance is idle (it takes the prompt at its next boundary) or static
+        limit = int(self.steal_max_occupancy * me.max_num_seqs)
+        if me.free_pages < self.steal_min_free_pages * me.capacity:
+            return 0
+        return max(0, min(me.seats_free, limit - me.prefilling - me.running))
+
+    def handover_count(self, me: InstanceView, waiting: int, peer: InstanceView | None) -> int:
+        """How many of `me`'s decoding requests (oldest first) move to the peer now; only a prefill
+        instance hands over."""
+        if me.home != "prefill" or me.running == 0:
+            return 0
+        if self.mode == "static":
+            return me.running
+        room = max(0, peer.seats_free - peer.backlog)
+        if waiting == 0 and me.prefilling == 0:  # nothing to prefill: share the decoding with the peer
+            return min(room, max(0, (me.running - peer.running - peer.backlog) // 2))
+        return min(me.running, room)
+
+    def acting_role(self, me: InstanceView) -> str:
+        """The role an instance is playing: its home role, or the other one while it holds the other's
+        work (a prefill instance decoding kept requests, a decode instance prefilling prompts)."""
+        if me.home == "prefill" and me.running:
+            return "decode"
+        if me.home == "decode" and me.prefilling:
+            return "prefill"
+        return me.home

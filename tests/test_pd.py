@@ -1,0 +1,131 @@
+"""Prefill/decode disaggregation: independent instance loops, hand-over of KV, dynamic role switching."""
+
+import functools
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from ernie_jax import LLM, SamplingParams
+from ernie_jax.engine.policy import InstanceView, PDPolicy
+from tests.test_engine import SMALL, all_free, golden_model, llm
+
+
+@functools.lru_cache(maxsize=None)
+def static_pd() -> LLM:
+    return LLM(golden_model(), mesh=8, prefill_devices=4, pd_policy="static", **SMALL)
+
+
+def _requests(n: int, seed: int, max_tokens=(6, 13)):
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(3, 256, int(k)).tolist() for k in rng.integers(3, 40, n)]
+    params = [SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True) for m in rng.integers(*max_tokens, n)]
+    return prompts, params
+
+
+def _run(engine, prompts, params) -> list:
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    reqs = [engine.requests[i] for i in ids]
+    while engine.has_unfinished():
+        engine.step()
+    return [r.output_ids for r in reqs]
+
+
+def test_policy_rules():
+    view = lambda home, prefilling=0, running=0, backlog=0, free=100: InstanceView(  # noqa: E731
+        home, home, prefilling, running, backlog, 8, free, 100)
+    dyn, static = PDPolicy("dynamic"), PDPolicy("static")
+    # the prefill instance admits while the decode side's backlog is short
+    assert dyn.admit_seats(view("prefill"), 3, view("decode")) == 8
+    assert dyn.admit_seats(view("prefill"), 3, view("decode", backlog=8)) == 0
+    # the decode instance prefills only while the prefill instance is busy, up to half its batch, with pages
+    assert dyn.admit_seats(view("decode", running=1), 3, view("prefill")) == 0
+    assert dyn.admit_seats(view("decode", running=1), 3, view("prefill", prefilling=2)) == 3
+    assert dyn.admit_seats(view("decode", running=5), 3, view("prefill", prefilling=2)) == 0
+    assert dyn.admit_seats(view("decode", running=1, free=10), 3, view("prefill", prefilling=2)) == 0
+    assert static.admit_seats(view("decode"), 3, view("prefill", prefilling=2)) == 0
+    # hand-over: static always; dynamic keeps (sharing the decoding evenly) while nothing waits
+    assert static.handover_count(view("prefill", running=3), 0, view("decode")) == 3
+    assert dyn.handover_count(view("prefill", running=4), 0, view("decode")) == 2
+    assert dyn.handover_count(view("prefill", running=2), 0, view("decode", running=4)) == 0
+    assert dyn.handover_count(view("prefill", running=4), 1, view("decode", running=6)) == 2
+    assert dyn.acting_role(view("prefill", running=1)) == "decode"
+    assert dyn.acting_role(view("decode", prefilling=1)) == "prefill"
+    with pytest.raises(ValueError, match="pd policy"):
+        PDPolicy("sometimes")
+
+
+def test_roles_switch_and_outputs_match_colocated_and_static():
+    """A prefill-only burst makes the decode instance prefill, a decode-only load makes the prefill instance
+    decode; greedy tokens equal the colocated and static-PD ones and every page ends free."""
+    dynamic, static, single = llm("pd").engine, static_pd().engine, llm("single").engine
+    burst = _requests(12, 0, max_tokens=(1, 3))
+    load = _requests(3, 1, max_tokens=(20, 30))
+    switches = dict(dynamic.role_switches)
+    outs = {name: _run(e, *burst) + _run(e, *load) for name, e in
+            (("dynamic", dynamic), ("static", static), ("colocated", single))}
+    assert outs["dynamic"] == outs["colocated"] and outs["static"] == outs["colocated"]
+    new = {k: v - switches.get(k, 0) for k, v in dynamic.role_switches.items()}
+    assert new.get(("decode", "decode", "prefill"), 0) >= 1  # the burst: the decode instance prefilled
+    assert new.get(("prefill", "prefill", "decode"), 0) >= 1  # the load: the prefill instance decoded
+    assert ("decode", "decode") in dynamic.placements and ("prefill", "prefill") in dynamic.placements
+    # static: everything prefilled on the prefill instance (a 1-token request ends there), decoded on the other
+    assert set(static.placements) <= {("prefill", "decode"), ("prefill", "prefill")} and not static.role_switches
+    for e in (dynamic, static, single):
+        assert all_free(e)
+
+
+def test_abort_mid_hand_over_frees_everything():
+    engine = llm("pd").engine
+    prefill, decode = engine.instance("prefill"), engine.instance("decode")
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    first = [engine.add_request([5 + i, 6, 7, 8], sp) for i in range(3)]
+    prefill.step()  # prefilled; kept on the prefill instance (nothing waits)
+    assert len(prefill.running) == 3 and not decode.running
+    late = engine.add_request(list(range(3, 40)), sp)
+    prefill.step()  # a prompt waits: the decoding requests are handed over, the new prompt admitted
+    assert [h.req.request_id for h in decode.inbox] == first[:len(decode.inbox)] and decode.inbox
+    engine.abort(decode.inbox[0].req.request_id)  # between the two instances
+    engine.abort(late)  # mid-prefill on the prefill instance
+    assert engine.requests[first[1]] in [h.req for h in decode.inbox] + prefill.running
+    while engine.has_unfinished():
+        engine.step()
+    assert all_free(engine)
+
+
+@pytest.mark.parametrize("policy", ["dynamic", "static"])
+def test_decode_keeps_stepping_while_a_2000_token_prompt_prefills(policy):
+    """On their own threads, the decode instance completes many decode steps between the first and the last
+    chunk of a 2,000-token prompt (in lockstep it completed at most one per chunk)."""
+    engine = LLM(golden_model(), mesh=8, prefill_devices=4, max_model_len=2112, max_num_seqs=4, prefill_chunk=256,
+                 pd_policy=policy).engine
+    prefill, decode = engine.instance("prefill"), engine.instance("decode")
+    got_tokens, errors = threading.Event(), []
+
+    def on_output(req):
+        if len(req.output_ids) >= 3:
+            got_tokens.set()
+    engine.start(on_output, lambda req, e: errors.append(e))
+    try:
+        stream = engine.add_request([5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True))
+        assert got_tokens.wait(60)
+        t_long = time.perf_counter()
+        rid = engine.add_request(np.random.default_rng(0).integers(3, 256, 2000).tolist(),
+                                 SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        long = engine.requests[rid]
+        deadline = time.time() + 300
+        while not long.finished and time.time() < deadline:
+            time.sleep(0.05)
+        engine.abort(stream)
+        while engine.has_unfinished() and time.time() < deadline:
+            time.sleep(0.05)
+    finally:
+        engine.stop()
+    assert not errors and long.finish_reason == "length"
+    assert long.prefilled_on == "prefill" and engine.requests.get(stream) is None
+    chunks = [s for s in list(prefill.timeline) if s.prefill_tokens and s.t0 >= t_long]
+    assert [s.prefill_tokens for s in chunks] == [256] * 7 + [208]  # 2,000 tokens in chunks of 256
+    during = [s for s in list(decode.timeline) if s.decode_rows and chunks[0].t0 < s.t1 < chunks[-1].t1]
+    assert len(during) > len(chunks)
+    assert all_free(engine)
