@@ -66,7 +66,8 @@ SLOW_CASES: dict[str, tuple[str, ...]] = {
     "test_multihost.py::test_two_processes_match_single_process": (),
     "test_notebooks.py::test_notebook_runs": (),
     "test_kv_memory.py::test_greedy_unchanged_by_prefix_caching_and_preemption": ("single-auto",),
-    "test_pd.py::test_decode_keeps_stepping_while_a_2000_token_prompt_prefills": ("dynamic",),
+    "test_pd.py::test_decode_keeps_stepping_while_a_2000_token_prompt_prefills": (),
+    "test_engine.py::test_async_engine_takes_requests_during_a_step_and_survives_a_device_error": ("single",),
 }
 
 

@@ -337,7 +337,8 @@ def _wait_idle(url: str, timeout: float = 30) -> dict:
     deadline = time.time() + timeout
     while time.time() < deadline:
         m = metrics(url)
-        if metric(m, "ernie_jax:num_requests_running") == 0 and metric(m, "ernie_jax:kv_cache_usage_perc") == 0:
+        if metric(m, "ernie_jax:num_requests_running") == 0 and metric(m, "ernie_jax:kv_cache_usage_perc") == 0 \
+                and metric(m, "ernie_jax:num_requests_waiting") == 0:
             return m
         time.sleep(0.2)
     raise AssertionError(f"requests still running after {timeout}s: {m}")

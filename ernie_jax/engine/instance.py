@@ -191,8 +191,8 @@ class Instance:
                 continue
             src = list(req.pages)
             pages = self._copy_out(src)  # waits for the copy onto the peer's mesh
-            self.scheduler.send(req)
-            with self.host.lock:
+            with self.host.lock:  # one step for an abort to see: held here, or in the peer's inbox
+                self.scheduler.send(req)
                 self.peer.inbox.append(Handoff(req, pages, src))
             self.host.wake()
 

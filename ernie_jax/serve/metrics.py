@@ -69,8 +69,9 @@ class _EngineCollector:
 
     def collect(self):
         e, name = self.engine, self.model_name
-        g = GaugeMetricFamily("ernie_jax:num_requests_running", "Requests in prefill or decode", labels=["model_name"])
-        g.add_metric([name], sum(i.scheduler.seats_taken for i in e.instances))
+        g = GaugeMetricFamily("ernie_jax:num_requests_running", "Requests in prefill or decode (or moving between "
+                              "the PD instances)", labels=["model_name"])
+        g.add_metric([name], sum(i.scheduler.seats_taken for i in e.instances) + e.num_handing_over)
         yield g
         g = GaugeMetricFamily("ernie_jax:num_requests_waiting", "Requests waiting for KV pages or a batch slot",
                               labels=["model_name"])
