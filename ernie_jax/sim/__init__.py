@@ -1,4 +1,4 @@
 """The PD simulator: the engine's scheduler, page pools, instance step boundary and PD policy run in
 virtual time against a cost model (simulator.py), on synthetic traces (traces.py), with an 8xH200 roofline
-cost model and one fitted to this machine's CPU engine (cost.py, calibrate.py). `python -m ernie_jax.sim`.
+cost model (cost.py). `python -m ernie_jax.sim`.
 """

@@ -1,7 +1,7 @@
 """`python -m ernie_jax.sim --trace all --cost h200 --rate 8`: goodput, TTFT/TPOT percentiles and instance
 utilisation of colocated, static PD and dynamic PD per trace, and the best static split of the devices.
 
---cost h200 (the 8xH200 roofline model, cost.H200Cost) or a JSON file written by FittedCost.save.
+--cost h200: the 8xH200 roofline model (cost.H200Cost), the one cost model so far.
 Goodput: requests per second, over the trace's arrival span, that met both --ttft-slo and --tpot-slo
 (DistServe's per-request SLO attainment); the defaults are the cost model's targets.
 """
@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-from ernie_jax.sim.cost import FittedCost, H200Cost
+from ernie_jax.sim.cost import H200Cost
 from ernie_jax.sim.simulator import SimConfig, simulate
 from ernie_jax.sim.traces import TRACES, make_trace
 
@@ -21,20 +21,20 @@ from ernie_jax.sim.traces import TRACES, make_trace
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ernie_jax.sim", description=__doc__.split("\n")[0])
     ap.add_argument("--trace", default="all", help=f"one of {TRACES} or 'all'")
-    ap.add_argument("--cost", default="h200", help="h200 or a fitted cost model's JSON file")
+    ap.add_argument("--cost", default="h200", choices=["h200"], help="the cost model")
     ap.add_argument("--rate", type=float, nargs="+", default=[8.0], help="mean arrivals per second")
     ap.add_argument("--num-requests", type=int, default=300)
     ap.add_argument("--devices", type=int, default=8)
     ap.add_argument("--prefill-devices", type=int, default=None, help="default: half")
     ap.add_argument("--max-num-seqs", type=int, default=128, help="batch seats per instance")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--scale", type=float, default=1.0, help="multiply every trace length (CPU models: < 1)")
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply every trace length")
     ap.add_argument("--max-model-len", type=int, default=16384)
     ap.add_argument("--ttft-slo", type=float, default=None)
     ap.add_argument("--tpot-slo", type=float, default=None)
     ap.add_argument("--splits", action="store_true", help="also try every static prefill:decode split")
     args = ap.parse_args(argv)
-    cost = H200Cost() if args.cost == "h200" else FittedCost.load(args.cost)
+    cost = H200Cost()
     ttft, tpot = args.ttft_slo or cost.ttft_slo, args.tpot_slo or cost.tpot_slo
     traces = TRACES if args.trace == "all" else (args.trace,)
     n_prefill = args.prefill_devices or args.devices // 2

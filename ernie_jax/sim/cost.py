@@ -11,13 +11,11 @@ instance, as functions of what the step runs and how many devices the instance h
   `prefill_mfu` (BF16 attention counted at FP8 rate x 0.5), never faster than reading the weights once;
 - transfer = 110,592 B per token at `transfer_bandwidth` (bytes/s, the whole sending submesh);
 - pages: `hbm_fraction` of 141 GB per device minus the 301 GB of weights, in FP8 KV pages.
-`FittedCost`: a linear model fitted to the CPU engine's own step records (ernie_jax/sim/calibrate.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Protocol
 
 
@@ -81,43 +79,3 @@ class H200Cost:
         if room <= 0:
             raise ValueError(f"{devices} H200s cannot hold the 301 GB of FP8 weights")
         return int(room // (page_size * self.kv_bytes_per_token)) + 1
-
-
-FEATURES = ("step", "prefill", "prefill_padded_tokens", "prefill_context", "decode", "decode_batch",
-            "decode_context")
-
-
-@dataclasses.dataclass(frozen=True)
-class FittedCost:
-    """seconds = sum(coef[f] * feature f) over FEATURES, fitted to measured steps of one engine on one
-    machine; the devices argument is ignored (the fit is for the deployment it measured)."""
-    coef: dict[str, float]
-    name: str = "fitted"
-    ttft_slo: float = 5.0
-    tpot_slo: float = 0.25
-    pages_per_instance: int = 4097
-    transfer_seconds_per_token: float = 0.0
-
-    @staticmethod
-    def features(tokens, padded, context, rows, batch, decode_context) -> list[float]:
-        return [1.0, float(tokens > 0), float(padded), float(context), float(rows > 0), float(batch),
-                float(decode_context)]
-
-    def step(self, tokens, padded, context, rows, batch, decode_context, devices) -> float:
-        feats = self.features(tokens, padded, context, rows, batch, decode_context)
-        return max(0.0, sum(self.coef[f] * x for f, x in zip(FEATURES, feats)))
-
-    def transfer(self, tokens: int, devices: int) -> float:
-        return tokens * self.transfer_seconds_per_token
-
-    def pages(self, devices: int, page_size: int) -> int:
-        return self.pages_per_instance
-
-    def save(self, path: str) -> None:
-        with open(path, "w") as f:
-            json.dump(dataclasses.asdict(self), f, indent=1)
-
-    @classmethod
-    def load(cls, path: str) -> "FittedCost":
-        with open(path) as f:
-            return cls(**json.load(f))
