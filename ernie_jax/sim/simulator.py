@@ -68,7 +68,6 @@ class SimHost:
         self.max_num_seqs, self.prefill_chunk, self.max_model_len = cfg.max_num_seqs, cfg.prefill_chunk, cfg.max_model_len
         self.lock = threading.RLock()
         self.waiting: list[Request] = []
-        self.finished: list[Request] = []
         self.role_switches: dict[tuple[str, str, str], int] = {}
         self.placements: dict[tuple[str, str], int] = {}
 
@@ -91,7 +90,6 @@ class SimHost:
             holder.scheduler.finish(req)
         key = (req.prefilled_on, req.decoded_on)
         self.placements[key] = self.placements.get(key, 0) + 1
-        self.finished.append(req)
 
     def append(self, req: Request, token: int, logprob, top_ids, top_lps, holder) -> None:
         if req.metrics.first_token_time is None:
