@@ -30,9 +30,9 @@ class EngineError(RuntimeError):
 
 class AsyncEngine:
     def __init__(self, engine: Engine, on_finish: Callable[[Request], None] | None = None):
-        """on_finish: called (on an instance thread) with each request that finishes, for metrics."""
+        """on_finish: called with each request as it finishes (before its pages are freed), for metrics."""
         self.engine = engine
-        self.on_finish = on_finish
+        engine.on_finish = on_finish
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, str | None]] = {}
         self._ids = itertools.count()
         engine.start(self._notify, self._fail)
@@ -79,8 +79,6 @@ class AsyncEngine:
         self.engine.stop()
 
     def _notify(self, req: Request) -> None:
-        if req.finished and self.on_finish is not None:
-            self.on_finish(req)
         target = self._streams.get(req.request_id)
         if target is not None:
             loop, stream, prompt = target

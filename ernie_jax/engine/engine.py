@@ -124,6 +124,7 @@ class Engine:
         self.role_switches: dict[tuple[str, str, str], int] = {}  # (instance, from, to) -> count
         self.placements: dict[tuple[str, str], int] = {}  # finished requests by (prefilled on, decoded on)
         self.on_output: Callable[[Request], None] | None = None  # set by start(): token or finish
+        self.on_finish: Callable[[Request], None] | None = None  # each finished request, for metrics
         self._threads: list[threading.Thread] = []
         self._wake = threading.Condition(self.lock)
         self._stop = False
@@ -246,6 +247,9 @@ class Engine:
         req.finish_reason, req.stop_reason = reason, stop_reason
         req.metrics.finished_time = time.perf_counter()
         with self.lock:
+            # Counted before the pages and the seat are freed: whoever sees the engine idle sees the outcome.
+            if self.on_finish is not None:
+                self.on_finish(req)
             if holder is not None:
                 holder.scheduler.finish(req)
             if req in self.waiting:
