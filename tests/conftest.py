@@ -67,6 +67,7 @@ SLOW_CASES: dict[str, tuple[str, ...]] = {
     "test_notebooks.py::test_notebook_runs": (),
     "test_kv_memory.py::test_greedy_unchanged_by_prefix_caching_and_preemption": ("single-auto",),
     "test_pd.py::test_decode_keeps_stepping_while_a_2000_token_prompt_prefills": (),
+    "test_sim.py::test_calibrate_fits_the_real_engine_and_predicts_it": (),
     "test_engine.py::test_async_engine_takes_requests_during_a_step_and_survives_a_device_error": ("single",),
 }
 

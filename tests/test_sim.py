@@ -1,11 +1,13 @@
-"""The PD simulator: the engine's scheduler and policy in virtual time against the H200 cost model."""
+"""The PD simulator: the engine's scheduler and policy in virtual time against the H200 and fitted cost models."""
 
+import numpy as np
 import pytest
 
+from ernie_jax.engine.instance import StepRecord
 from ernie_jax.sim.__main__ import main
-from ernie_jax.sim.cost import H200Cost
+from ernie_jax.sim.cost import FittedCost, H200Cost, _overlaps
 from ernie_jax.sim.simulator import SimConfig, simulate
-from ernie_jax.sim.traces import TRACES, make_trace
+from ernie_jax.sim.traces import TRACES, TraceRequest, make_trace
 
 
 @pytest.mark.parametrize("trace", TRACES)
@@ -25,8 +27,8 @@ def test_every_request_finishes_with_its_output_length_and_no_page_leaks(trace):
 def test_h200_cost_model_follows_the_roofline():
     cost = H200Cost()
     # a batch-1 decode step on 8 GPUs: 47.9 GB at 85 % of 38.4 TB/s plus the step overhead (PERFORMANCE.md 3.5)
-    assert 1.3e-3 < cost.step(0, 0, 0, 1, 1, 0, 8) - cost.step_overhead < 1.6e-3
-    assert cost.step(0, 0, 0, 64, 64, 0, 8) > 4 * cost.step(0, 0, 0, 1, 1, 0, 8) - 4 * cost.step_overhead
+    assert 1.3e-3 < cost.step(0, (0, 0), 0, 1, 1, 0, 8) - cost.step_overhead < 1.6e-3
+    assert cost.step(0, (0, 0), 0, 64, 64, 0, 8) > 4 * cost.step(0, (0, 0), 0, 1, 1, 0, 8) - 4 * cost.step_overhead
     with pytest.raises(ValueError, match="cannot hold"):
         cost.pages(2, 64)
 
@@ -36,3 +38,103 @@ def test_cli_prints_the_three_modes(capsys):
     out = capsys.readouterr().out
     assert all(f"| mixed | 4 | {m} |" in out for m in ("colocated", "static", "dynamic"))
     assert "best static split" in out
+
+
+def _fitted(tmp_path):
+    """A FittedCost fitted to synthetic steps of known cost, saved and loaded back."""
+    rng = np.random.default_rng(0)
+    truth = {4: [2e-3, 1e-5, 4e-6, 3e-3, 5e-4, 1e-6], 8: [1.5e-3, 6e-6, 2e-6, 2e-3, 3e-4, 5e-7]}
+    steps = {}
+    for devices, coef in truth.items():
+        records = []
+        for _ in range(200):
+            prefill, decode = rng.random() < 0.5, rng.random() < 0.8
+            B, T = (int(rng.choice([1, 2])), int(rng.choice([16, 32, 64, 128]))) if prefill else (0, 0)
+            tokens = B * T - int(rng.integers(0, 8)) if prefill else 0
+            context = B * int(rng.integers(T, 512)) if prefill else 0
+            rows = int(rng.integers(1, 9)) if decode or not prefill else 0
+            batch = 1 << (rows - 1).bit_length() if rows else 0
+            dctx = rows * int(rng.integers(10, 500)) if rows else 0
+            x = [tokens > 0, B * T, T * context / 1e3, rows > 0, batch, dctx]
+            seconds = float(np.dot(coef, x)) * (1 + 0.02 * rng.standard_normal())
+            records.append(StepRecord(0.0, seconds + 1e-3, tokens, (B, T), context, rows, batch, dctx, 1e-3))
+        steps[devices] = [records]
+    cost = FittedCost.fit(steps, transfer_seconds=0.5, transfer_tokens=10_000, num_pages={4: 300, 8: 600},
+                          settings=dict(max_num_seqs=8, prefill_chunk=128, page_size=16, max_model_len=512,
+                                        min_decode_rows=1, scale=0.25), name="synthetic", ttft_slo=1.0, tpot_slo=0.1)
+    path = str(tmp_path / "cost.json")
+    cost.save(path)
+    return FittedCost.load(path), truth
+
+
+def test_fitted_cost_recovers_known_step_costs_and_round_trips(tmp_path):
+    cost, truth = _fitted(tmp_path)
+    for devices in truth:
+        for shape in [(100, (1, 128), 300, 0, 0, 0), (0, (0, 0), 0, 5, 8, 900), (60, (2, 32), 400, 3, 4, 200)]:
+            x = [shape[0] > 0, shape[1][0] * shape[1][1], shape[1][1] * shape[2] / 1e3, shape[3] > 0, shape[4], shape[5]]
+            assert cost.step(*shape, devices) == pytest.approx(float(np.dot(truth[devices], x)), rel=0.05)
+    assert cost.transfer(100, 4) == pytest.approx(5e-3)
+    assert cost.pages(4, 16) == 300
+    with pytest.raises(ValueError, match="fitted on instances of \\[4, 8\\] devices, not 2"):
+        cost.step(10, (1, 16), 10, 0, 0, 0, 2)
+    with pytest.raises(ValueError, match="page size 16, not 64"):
+        cost.pages(4, 64)
+
+
+def test_cli_runs_a_fitted_cost_model_with_its_settings(tmp_path, capsys):
+    cost, _ = _fitted(tmp_path)
+    assert main(["--cost", str(tmp_path / "cost.json"), "--trace", "mixed", "--num-requests", "20", "--rate", "2",
+                 "--splits"]) == 0
+    out = capsys.readouterr().out
+    assert "cost model: synthetic" in out and "max_num_seqs 8, max_num_batched_tokens 128, max_model_len 512" in out
+    assert "best static split 4:4" in out  # the only split both of whose instance sizes were measured
+
+
+def test_fit_recovers_how_much_slower_steps_run_beside_the_other_instance():
+    """Two instances stepping back to back, each step (1 + 0.8) x slower for the part of it the other
+    instance spends in a prefill step and (1 + 0.3) x for a decode step; the fit finds both factors."""
+    rng = np.random.default_rng(1)
+    coef, slow = [0.05, 2e-4, 0.0, 0.02, 2e-3, 0.0], np.array([0.8, 0.3])
+    shapes = [[(int(T), (1, int(T)), int(T), 0, 0, 0) if rng.random() < 0.3 else (0, (0, 0), 0, int(b), int(b), 100)
+               for T, b in zip(rng.choice([64, 128], 150), rng.choice([1, 2, 4, 8], 150))] for _ in range(2)]
+    base = [np.array([float(np.dot(coef, [s[0] > 0, s[1][0] * s[1][1], 0, s[3] > 0, s[4], s[5]])) for s in sh])
+            for sh in shapes]
+    seconds = [b.copy() for b in base]
+    for _ in range(30):  # the overlaps depend on the durations: iterate to the fixed point
+        timelines = [[StepRecord(t0, t0 + d, *shape, 0.0) for t0, d, shape in
+                      zip(np.concatenate([[0], np.cumsum(sec)[:-1]]), sec, sh)] for sec, sh in zip(seconds, shapes)]
+        seconds = [b * (1 + _overlaps(timelines[k], timelines[1 - k]) @ slow) for k, b in enumerate(base)]
+    cost = FittedCost.fit({4: timelines}, transfer_seconds=0.0, transfer_tokens=0, num_pages={4: 100},
+                          settings={"page_size": 16}, name="pair", ttft_slo=1.0, tpot_slo=0.1)
+    assert cost.contention["prefill"] == pytest.approx(0.8, abs=0.1)
+    assert cost.contention["decode"] == pytest.approx(0.3, abs=0.1)
+    assert cost.step(0, (0, 0), 0, 4, 4, 100, 4) == pytest.approx(0.028, rel=0.1)
+
+
+def test_steps_beside_the_other_instance_share_the_machine(tmp_path):
+    """Processor sharing in the simulator: a request decoding alone is unaffected by contention; a prompt
+    prefilled beside its decode steps slows them, and the prefill itself is slowed in turn."""
+    import dataclasses
+    cost, _ = _fitted(tmp_path)
+    shared = dataclasses.replace(cost, contention={"prefill": 1.0, "decode": 1.0})
+    cfg = SimConfig("static", 8, 4, **{k: v for k, v in cost.settings.items() if k != "scale"})
+    alone = [TraceRequest(0.0, 20, 100)]
+    beside = alone + [TraceRequest(0.1, 128, 2)]  # while r0 decodes (~0.35 s)
+    r0, r1 = simulate(alone, cost, cfg), simulate(alone, shared, cfg)
+    assert r0.requests[0].tpot == pytest.approx(r1.requests[0].tpot)
+    r0, r1 = simulate(beside, cost, cfg), simulate(beside, shared, cfg)
+    assert r1.requests[0].tpot > r0.requests[0].tpot
+    assert r1.requests[1].metrics.ttft > r0.requests[1].metrics.ttft
+
+
+def test_calibrate_fits_the_real_engine_and_predicts_it(tmp_path, capsys):
+    """The real CPU engine serves two short traces per mode; the fitted model loads and runs the CLI. (How
+    close its predictions come is the calibration's own output; a short trace is too noisy to assert.)"""
+    from ernie_jax.sim.calibrate import main as calibrate
+    out = str(tmp_path / "cpu.json")
+    assert calibrate(["--out", out, "--num-requests", "10", "--rate", "4", "--tolerance", "100"]) == 0
+    table = capsys.readouterr().out
+    assert "| colocated |" in table and "| dynamic |" in table
+    cost = FittedCost.load(out)
+    assert set(cost.coefficients) == {8, 4} and cost.transfer_per_token > 0
+    assert main(["--cost", out, "--trace", "decode-heavy", "--num-requests", "10", "--rate", "1"]) == 0

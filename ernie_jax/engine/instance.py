@@ -56,6 +56,7 @@ class StepRecord(NamedTuple):
     decode_rows: int  # real rows in its decode program (0: none)
     decode_batch: int  # the program's B
     decode_context: int  # sum over rows of the sequence length
+    transfer_seconds: float  # of t1 - t0, the time its boundary spent handing requests' KV over
 
 
 class Handoff(NamedTuple):
@@ -83,6 +84,7 @@ class Instance:
         # A decode step whose tokens are still on the device: the next step feeds them to the following
         # decode step before reading them, so the host's work overlaps the device's (see begin()).
         self._ahead: Dispatched | None = None
+        self._transfer = 0.0  # seconds this step's boundary has spent handing KV over
 
     # ---- state --------------------------------------------------------------------------------------------
     @property
@@ -117,7 +119,7 @@ class Instance:
 
     def begin(self, touched: list[Request]):
         """The step boundary, then this step's programs dispatched; returns what end() reads."""
-        t0 = self.host.now()
+        t0, self._transfer = self.host.now(), 0.0
         self._drop_aborted(touched)
         self._take_inbox()
         self._hand_over(touched)
@@ -134,10 +136,11 @@ class Instance:
         t0, shape, (steps, scored) = pending
         self._read(steps, touched, scored)
         if shape is not None:
-            self.timeline.append(StepRecord(t0, self.host.now(), *shape))
+            self.timeline.append(StepRecord(t0, self.host.now(), *shape, self._transfer))
 
     def _shape(self) -> tuple | None:
-        """What this step runs (StepRecord's fields after t0, t1), or None when it runs nothing."""
+        """What this step runs (StepRecord's fields prefill_tokens .. decode_context), or None when it runs
+        nothing."""
         if not self.prefilling and not self.running:
             return None
         tokens, shape, context = 0, (0, 0), 0
@@ -163,14 +166,21 @@ class Instance:
         """Requests handed over to this instance join its batch once it has pages and a seat for them."""
         with self.host.lock:
             arrived = []
-            while self.inbox and (pages := self.scheduler.receive(self.inbox[0].req)) is not None:
+            while self.inbox and self._landed(self.inbox[0]) and \
+                    (pages := self.scheduler.receive(self.inbox[0].req)) is not None:
                 arrived.append((self.inbox.pop(0), pages))
         for h, pages in arrived:
             self._copy_in(h, pages)
             h.req.decoded_on = self.name
 
+    def _landed(self, h: Handoff) -> bool:
+        return True  # the sender waited for the copy before queueing it
+
     def _copy_out(self, src_pages: list[int]):
-        return self.transfer.gather(src_pages)
+        t0 = time.perf_counter()
+        moved = self.transfer.gather(src_pages)
+        self._transfer += time.perf_counter() - t0
+        return moved
 
     def _copy_in(self, h: Handoff, pages: list[int]) -> None:
         self.peer.transfer.scatter(h.pages, h.src_pages, pages[:len(h.src_pages)])

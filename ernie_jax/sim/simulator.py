@@ -4,7 +4,10 @@ policy, with a cost model in place of the devices and a virtual clock in place o
 `SimInstance` is an `engine.instance.Instance` whose dispatch and read are replaced: a step "runs" for
 the cost model's time of what it dispatched (the shape the real instance would run: bucketed prefill
 (B, T), decode batch, contexts), every decoding row gets one token, a finished prompt its first token.
-Hand-overs cost the sender the transfer time of the request's pages. Everything else (admission with its
+Hand-overs cost the sender the transfer time of the request's pages, and the request reaches the receiver
+once that time has passed. Two steps running at once share the
+machine as the cost model's `contention` says (processor sharing: each progresses at 1 / (1 + the
+contention of the other's kind); hand-over times are not shared, being measured as they ran). Everything else (admission with its
 bypass rule, pages on demand, preemption, prefix caching, hand-over and role-switching decisions) is the
 engine's code. Requests end by length only (the trace fixes output lengths).
 """
@@ -23,7 +26,7 @@ from ernie_jax.engine.policy import PDPolicy
 from ernie_jax.engine.programs import buckets, decode_buckets, prefill_shapes
 from ernie_jax.engine.request import Request, RequestMetrics
 from ernie_jax.sampling import SamplingParams
-from ernie_jax.sim.cost import CostModel
+from ernie_jax.sim.cost import CostModel, step_kind
 from ernie_jax.sim.traces import TraceRequest
 
 
@@ -38,6 +41,7 @@ class SimConfig:
     page_size: int = 64
     max_model_len: int = 16384
     enable_prefix_caching: bool = True
+    min_decode_rows: int = 1  # engine.programs.min_decode_rows of the model
 
 
 class SimPrograms:
@@ -48,7 +52,7 @@ class SimPrograms:
         self.max_pages = -(-cfg.max_model_len // cfg.page_size)
         chunks = buckets(min(cfg.prefill_chunk, self.max_pages * cfg.page_size), 16)
         self.ready = {"prefill": sorted(prefill_shapes(chunks, cfg.prefill_chunk, cfg.max_num_seqs)),
-                      "decode": decode_buckets(cfg.max_num_seqs)}
+                      "decode": decode_buckets(cfg.max_num_seqs, cfg.min_decode_rows)}
 
     def bucket(self, kind: str, n: int) -> int:
         if kind == "prefill":
@@ -67,6 +71,8 @@ class SimHost:
         self.cfg, self.clock = cfg, 0.0
         self.max_num_seqs, self.prefill_chunk, self.max_model_len = cfg.max_num_seqs, cfg.prefill_chunk, cfg.max_model_len
         self.lock = threading.RLock()
+        self.events: list[tuple] = []  # (time, order, kind, what): the simulation's event queue
+        self.order = itertools.count()
         self.waiting: list[Request] = []
         self.role_switches: dict[tuple[str, str, str], int] = {}
         self.placements: dict[tuple[str, str], int] = {}
@@ -76,6 +82,10 @@ class SimHost:
 
     def wake(self) -> None:
         pass
+
+    def at(self, t: float) -> None:
+        """An event at virtual time t (instances look for work at every event)."""
+        heapq.heappush(self.events, (t, next(self.order), "wake", None))
 
     def role_switch(self, instance: str, src: str, dst: str) -> None:
         key = (instance, src, dst)
@@ -108,11 +118,16 @@ class SimInstance(Instance):
                          enable_prefix_caching=host.cfg.enable_prefix_caching, salt=b"sim")
         self.devices, self.cost = devices, cost
         self.busy = 0.0  # virtual seconds spent stepping
-        self._transfer = 0.0  # transfer seconds charged to the step being set up
 
-    def _copy_out(self, src_pages: list[int]):
+    def _copy_out(self, src_pages: list[int]) -> float:
+        """Charges the transfer to this step; the KV lands on the peer (its Handoff.pages) that much later."""
         self._transfer += self.cost.transfer(len(src_pages) * self.pool.page_size, self.devices)
-        return None
+        landed = self.host.clock + self._transfer
+        self.host.at(landed)
+        return landed
+
+    def _landed(self, h) -> bool:
+        return h.pages <= self.host.clock
 
     def _copy_in(self, h, pages: list[int]) -> None:
         pass
@@ -133,10 +148,30 @@ class SimInstance(Instance):
                 self._deliver(kind, req, 1, 0.0, None, None, touched)
 
     def step_seconds(self, shape) -> float:
-        """The cost model's time for a step of this shape (StepRecord's fields after t0, t1)."""
-        tokens, (B, T), context, rows, batch, decode_context = shape
-        seconds, self._transfer = self._transfer, 0.0
-        return seconds + self.cost.step(tokens, B * T, context, rows, batch, decode_context, self.devices)
+        """The cost model's time for a step of this shape (Instance._shape), running alone."""
+        return self.cost.step(*shape, self.devices)
+
+
+@dataclasses.dataclass
+class _Running:
+    """A step in progress: its hand-overs, then `remaining` seconds of work (at rate 1, alone) at its
+    current `rate`."""
+    inst: SimInstance
+    pending: tuple
+    kind: str
+    transfer: float  # seconds of hand-over left first: measured times, contention included, so not shared
+    remaining: float
+    started: float
+    rate: float = 1.0
+    version: int = 0  # which end event is current
+
+    def advance(self, seconds: float) -> None:
+        spent = min(self.transfer, seconds)
+        self.transfer -= spent
+        self.remaining -= (seconds - spent) * self.rate
+
+    def left(self) -> float:
+        return self.transfer + self.remaining / self.rate
 
 
 @dataclasses.dataclass
@@ -181,10 +216,10 @@ def simulate(trace: list[TraceRequest], cost: CostModel, cfg: SimConfig, policy:
             t.prefix + rng.integers(3, 100_000, t.prompt_len - len(t.prefix)).tolist()
         reqs.append(Request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=t.output_len, ignore_eos=True),
                             0, RequestMetrics(t.arrival)))
-    order = itertools.count()
-    events = [(r.metrics.arrival_time, next(order), "arrive", r) for r in reqs]
+    events, order = host.events, host.order
+    events += [(r.metrics.arrival_time, next(order), "arrive", r) for r in reqs]
     heapq.heapify(events)
-    stepping: dict[str, tuple] = {}  # instance -> pending step
+    stepping: dict[str, _Running] = {}
 
     def start(inst: SimInstance) -> None:
         if inst.name in stepping or inst.idle():
@@ -193,19 +228,34 @@ def simulate(trace: list[TraceRequest], cost: CostModel, cfg: SimConfig, policy:
         shape = pending[1]
         if shape is None and not inst._transfer:
             return  # nothing runnable (e.g. requests waiting for its pages): wait for the next event
-        seconds = inst.step_seconds(shape or (0, (0, 0), 0, 0, 0, 0))
-        inst.busy += seconds
-        stepping[inst.name] = pending
-        heapq.heappush(events, (host.clock + seconds, next(order), "end", inst))
+        shape = shape or (0, (0, 0), 0, 0, 0, 0)
+        stepping[inst.name] = _Running(inst, pending, step_kind(shape[0]), inst._transfer, inst.step_seconds(shape),
+                                       host.clock)
+
+    def reschedule() -> None:
+        """Each running step's rate given what runs beside it (processor sharing); pushes its end event."""
+        for name, run in stepping.items():
+            rate = 1 / (1 + sum(cost.contention[o.kind] for n, o in stepping.items() if n != name))
+            if rate != run.rate or not run.version:
+                run.rate, run.version = rate, run.version + 1
+                heapq.heappush(events, (host.clock + run.left(), next(order), "end", (run, run.version)))
 
     while events:
-        host.clock, _, kind, what = heapq.heappop(events)
+        clock, _, kind, what = heapq.heappop(events)
+        if kind == "end" and (stepping.get(what[0].inst.name) is not what[0] or what[0].version != what[1]):
+            continue  # superseded by a rate change
+        for run in stepping.values():
+            run.advance(clock - host.clock)
+        host.clock = clock
         if kind == "arrive":
             host.waiting.append(what)
-        else:
-            what.end(stepping.pop(what.name), [])
+        elif kind == "end":
+            run = stepping.pop(what[0].inst.name)
+            run.inst.busy += clock - run.started
+            run.inst.end(run.pending, [])
         for inst in insts:
             start(inst)
+        reschedule()
     unfinished = [r for r in reqs if not r.finished]
     if unfinished:
         raise RuntimeError(f"{len(unfinished)} requests never finished (a request larger than a pool?)")
