@@ -19,6 +19,7 @@ from flax import nnx
 
 from ernie_jax.config import PRESETS, ErnieConfig
 from ernie_jax.engine.engine import Engine
+from ernie_jax.engine.policy import PDPolicy
 from ernie_jax.engine.request import RequestError
 from ernie_jax.engine.outputs import CompletionOutput, RequestOutput, completion, request_output
 from ernie_jax.model import ErnieForCausalLM
@@ -45,7 +46,8 @@ class LLM:
     compilation_cache_dir: JAX's persistent compilation cache (None: off; an already configured one wins).
     batch_invariant: decode at one batch shape, so a request's tokens never depend on its batch (Engine).
     background_compile: return when one bucket per program is compiled; the rest compile behind (Engine).
-    pd_policy: disaggregated only: "dynamic" (role switching, engine/policy.py) or "static" (fixed roles).
+    pd_policy: disaggregated only: "dynamic" (role switching, engine/policy.py), "static" (fixed roles),
+    or a PDPolicy (its thresholds and TTFT / TPOT targets).
     kernels: "auto" (the Pallas kernels where the device supports them and they pass their start-up
     self-check), "pallas" (force them; interpreted off GPUs) or "xla" (none); see ops/execution.py.
     """
@@ -57,7 +59,7 @@ class LLM:
                  page_size: int = 16, num_pages: int | None = None, gpu_memory_utilization: float | None = None,
                  enable_prefix_caching: bool = True, prefill_chunk: int = 512,
                  compilation_cache_dir: str | None = "~/.cache/ernie_jax/xla", batch_invariant: bool = False,
-                 background_compile: bool = False, kernels: str = "auto", pd_policy: str = "dynamic"):
+                 background_compile: bool = False, kernels: str = "auto", pd_policy: str | PDPolicy = "dynamic"):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
         jdtype = _DTYPES[dtype]

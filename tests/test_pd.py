@@ -54,6 +54,23 @@ def test_policy_rules():
     assert dyn.acting_role(view("decode", prefilling=1)) == "prefill"
     with pytest.raises(ValueError, match="pd policy"):
         PDPolicy("sometimes")
+    with pytest.raises(ValueError, match="tpot_target must be a positive"):
+        PDPolicy("dynamic", tpot_target=0)
+
+
+def test_policy_targets():
+    """tpot_target: no decoding in place while either side's decode steps are slower than it; ttft_target:
+    a prompt that has waited half of it may take any free seat of the decode instance."""
+    view = lambda home, prefilling=0, running=0, step=0.0: InstanceView(  # noqa: E731
+        home, home, prefilling, running, 0, 8, 100, 100, step)
+    targeted = PDPolicy("dynamic", ttft_target=2.0, tpot_target=0.05)
+    assert targeted.handover_count(view("prefill", running=4, step=0.03), 0, view("decode", step=0.04)) == 2
+    assert targeted.handover_count(view("prefill", running=4, step=0.03), 0, view("decode", step=0.08)) == 4
+    assert targeted.handover_count(view("prefill", running=4, step=0.08), 0, view("decode", running=6)) == 2
+    busy = view("prefill", prefilling=2)
+    assert targeted.admit_seats(view("decode", running=5), 3, busy, oldest_wait=0.5) == 0  # over half full
+    assert targeted.admit_seats(view("decode", running=5), 3, busy, oldest_wait=1.5) == 3
+    assert PDPolicy("dynamic").admit_seats(view("decode", running=5), 3, busy, oldest_wait=1.5) == 0
 
 
 def test_roles_switch_and_outputs_match_colocated_and_static():

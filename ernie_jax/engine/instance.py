@@ -85,6 +85,7 @@ class Instance:
         # decode step before reading them, so the host's work overlaps the device's (see begin()).
         self._ahead: Dispatched | None = None
         self._transfer = 0.0  # seconds this step's boundary has spent handing KV over
+        self.decode_step_seconds = 0.0  # moving average of the steps that decoded (the policy's TPOT view)
 
     # ---- state --------------------------------------------------------------------------------------------
     @property
@@ -98,7 +99,11 @@ class Instance:
     def view(self) -> InstanceView:
         s = self.scheduler
         return InstanceView(self.name, self.home, len(s.prefilling), len(s.running), len(self.inbox),
-                            s.max_num_seqs, self.pool.free, self.pool.capacity)
+                            s.max_num_seqs, self.pool.free, self.pool.capacity, self.decode_step_seconds)
+
+    def _oldest_wait(self) -> float:
+        waiting = self.host.waiting
+        return self.host.now() - waiting[0].metrics.arrival_time if waiting else 0.0
 
     def holds(self, req: Request) -> bool:
         return self.scheduler.holds(req) or any(h.req is req for h in self.inbox)
@@ -108,7 +113,7 @@ class Instance:
         if self.scheduler.seats_taken or self.inbox:
             return False
         peer = self.peer.view() if self.peer else None
-        return self.policy.admit_seats(self.view(), len(self.host.waiting), peer) == 0
+        return self.policy.admit_seats(self.view(), len(self.host.waiting), peer, self._oldest_wait()) == 0
 
     # ---- the step boundary ------------------------------------------------------------------------------------
     def step(self) -> list[Request]:
@@ -126,7 +131,7 @@ class Instance:
         self._make_room(touched)
         with self.host.lock:
             peer = self.peer.view() if self.peer else None
-            seats = self.policy.admit_seats(self.view(), len(self.host.waiting), peer)
+            seats = self.policy.admit_seats(self.view(), len(self.host.waiting), peer, self._oldest_wait())
             if seats:
                 self.scheduler.admit(self.host.now(), seats)
         self._note_role()
@@ -136,7 +141,12 @@ class Instance:
         t0, shape, (steps, scored) = pending
         self._read(steps, touched, scored)
         if shape is not None:
-            self.timeline.append(StepRecord(t0, self.host.now(), *shape, self._transfer))
+            record = StepRecord(t0, self.host.now(), *shape, self._transfer)
+            self.timeline.append(record)
+            if record.decode_rows:
+                seconds = record.t1 - record.t0
+                self.decode_step_seconds = seconds if not self.decode_step_seconds else \
+                    0.8 * self.decode_step_seconds + 0.2 * seconds
 
     def _shape(self) -> tuple | None:
         """What this step runs (StepRecord's fields prefill_tokens .. decode_context), or None when it runs

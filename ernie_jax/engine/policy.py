@@ -22,6 +22,14 @@ dynamic (role switching):
   filling its batch up to that occupancy.
 The prefill instance admits only while the decode instance's backlog of transferred requests waiting for
 pages is below `max_backlog` (prefilled KV waits in decode memory outside the pool).
+
+Targets (optional, seconds), for deployments where the two instances slow each other (shared host cores,
+a shared interconnect):
+- `tpot_target`: the prefill instance decodes in place only while the recent decode steps of both
+  instances take at most this; slower, it hands its decoding requests over (as far as the decode instance
+  has seats).
+- `ttft_target`: once the oldest waiting prompt has waited half of this, the decode instance prefills
+  waiting prompts into any free seat, not only up to `steal_max_occupancy`.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ class InstanceView:
     max_num_seqs: int
     free_pages: int
     capacity: int  # pages in its pool
+    decode_step_seconds: float = 0.0  # recent decode step time (moving average; 0: none yet)
 
     @property
     def seats_free(self) -> int:
@@ -56,15 +65,21 @@ class PDPolicy:
     steal_min_free_pages: float = 0.25  # ... and at least this fraction of its pool is free
     steal_min_waiting: int = 1  # ... and at least this many prompts wait
     max_backlog: int | None = None  # handed-over requests waiting at the decode instance (None: max_num_seqs)
+    tpot_target: float | None = None
+    ttft_target: float | None = None
 
     def __post_init__(self):
         if self.mode not in POLICIES:
             raise ValueError(f"pd policy {self.mode!r}: expected one of {POLICIES}")
         if not 0 <= self.steal_max_occupancy <= 1 or not 0 <= self.steal_min_free_pages <= 1:
             raise ValueError("steal_max_occupancy and steal_min_free_pages are fractions in [0, 1]")
+        for name in ("tpot_target", "ttft_target"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
 
-    def admit_seats(self, me: InstanceView, waiting: int, peer: InstanceView | None) -> int:
-        """How many waiting prompts `me` may admit for prefill now (its scheduler still checks pages)."""
+    def admit_seats(self, me: InstanceView, waiting: int, peer: InstanceView | None, oldest_wait: float = 0.0) -> int:
+        """How many waiting prompts `me` may admit for prefill now (its scheduler still checks pages).
+        oldest_wait: seconds the oldest waiting prompt has waited."""
         if waiting == 0 or me.seats_free <= 0:
             return 0
         if me.home == "mixed":
@@ -75,6 +90,8 @@ class PDPolicy:
         if self.mode == "static" or waiting < self.steal_min_waiting or peer.prefilling == 0:
             return 0  # the prefill instance is idle (it takes the prompt at its next boundary) or static
         limit = int(self.steal_max_occupancy * me.max_num_seqs)
+        if self.ttft_target is not None and oldest_wait >= self.ttft_target / 2:
+            limit = me.max_num_seqs  # the oldest prompt's TTFT is at risk: any free seat takes prompts
         if me.free_pages < self.steal_min_free_pages * me.capacity:
             return 0
         return max(0, min(me.seats_free, limit - me.prefilling - me.running))
@@ -87,6 +104,8 @@ class PDPolicy:
         if self.mode == "static":
             return me.running
         room = max(0, peer.seats_free - peer.backlog)
+        if self.tpot_target is not None and max(me.decode_step_seconds, peer.decode_step_seconds) > self.tpot_target:
+            return min(me.running, room)  # decoding on both sides misses the target: move it
         if waiting == 0 and me.prefilling == 0:  # nothing to prefill: share the decoding with the peer
             return min(room, max(0, (me.running - peer.running - peer.backlog) // 2))
         return min(me.running, room)

@@ -37,6 +37,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       help="disaggregated: static keeps the prefill and decode roles fixed; dynamic lets an idle side take "
            "the other's work (the prefill submesh decodes when no prompt waits, the decode submesh prefills "
            "when prompts wait and its batch has room)")
+    a("--pd-ttft-target", type=float, default=None, metavar="SECONDS",
+      help="dynamic: once the oldest waiting prompt has waited half this, the decode submesh prefills "
+           "prompts into any free batch slot")
+    a("--pd-tpot-target", type=float, default=None, metavar="SECONDS",
+      help="dynamic: the prefill submesh decodes in place only while both submeshes' decode steps take "
+           "at most this")
     a("--sharding", default="tp_ep", choices=["tp_ep", "tp", "dp_attn_ep"])
     a("--max-model-len", type=int, default=None, help="prompt + output tokens (default: min(model's, 2048))")
     a("--background-compile", action=argparse.BooleanOptionalAction, default=True,
@@ -67,7 +73,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--compilation-cache-dir", default="~/.cache/ernie_jax/xla", help="JAX persistent compilation cache ('' = off)")
     a("--shutdown-timeout", type=float, default=300.0, help="seconds to let requests finish after SIGTERM")
     a("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    for flag in ("pd_ttft_target", "pd_tpot_target"):
+        if getattr(args, flag) is not None and not getattr(args, flag) > 0:
+            ap.error(f"--{flag.replace('_', '-')} must be a positive number of seconds, got {getattr(args, flag)}")
+    return args
 
 
 def mesh_size(mesh: str | None) -> int:
@@ -101,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ernie_jax.assets import EMBEDDED_MODEL_DIR
     from ernie_jax.engine.async_engine import AsyncEngine
+    from ernie_jax.engine.policy import PDPolicy
     from ernie_jax.llm import LLM
     from ernie_jax.serve.api import Server, create_app
     from ernie_jax.serve.metrics import ServerMetrics
@@ -120,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
               enable_prefix_caching=args.enable_prefix_caching, prefill_chunk=args.max_num_batched_tokens,
               compilation_cache_dir=args.compilation_cache_dir or None, batch_invariant=args.batch_invariant,
               background_compile=args.background_compile, kernels=args.kernels,
-              pd_policy=args.pd_policy)
+              pd_policy=PDPolicy(args.pd_policy, ttft_target=args.pd_ttft_target, tpot_target=args.pd_tpot_target))
     if llm.tokenizer is None:
         raise SystemExit(f"{model_dir} has no tokenizer.model; the server needs one to render chats and text")
     _log_startup(llm, model_dir, args)

@@ -1,5 +1,6 @@
 """`python -m ernie_jax.sim --trace all --cost h200 --rate 8`: goodput, TTFT/TPOT percentiles and instance
-utilisation of colocated, static PD and dynamic PD per trace, and the best static split of the devices.
+utilisation of colocated, static PD and dynamic PD (also with the SLOs as the policy's TTFT / TPOT
+targets) per trace, and the best static split of the devices.
 
 --cost h200: the 8xH200 roofline model (cost.H200Cost); --cost FILE.json: a model fitted to a machine by
 `python -m ernie_jax.sim.calibrate` (cost.FittedCost; only the instance sizes it measured).
@@ -14,6 +15,7 @@ import sys
 
 import numpy as np
 
+from ernie_jax.engine.policy import PDPolicy
 from ernie_jax.sim.cost import FittedCost, H200Cost
 from ernie_jax.sim.simulator import SimConfig, simulate
 from ernie_jax.sim.traces import TRACES, make_trace
@@ -57,8 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         for rate in args.rate:
             trace = make_trace(name, rate, args.num_requests, scale=scale, max_model_len=max_model_len)
             span = trace[-1].arrival - trace[0].arrival
-            for mode in ("colocated", "static", "dynamic"):
-                r = simulate(trace, cost, SimConfig(mode, args.devices, n_prefill, **settings))
+            targeted = PDPolicy("dynamic", ttft_target=ttft, tpot_target=tpot)
+            for mode, policy in (("colocated", None), ("static", None), ("dynamic", None),
+                                 ("dynamic, SLO targets", targeted)):
+                r = simulate(trace, cost, SimConfig(mode.split(",")[0], args.devices, n_prefill, **settings), policy)
                 t, p = r.ttft(), r.tpot() * 1e3
                 util = ", ".join(f"{k} {v:.0%}" for k, v in r.utilisation.items())
                 switches = sum(n for (_, src, dst), n in r.role_switches.items() if src != dst)
