@@ -135,7 +135,8 @@ class Instance:
             if seats:
                 self.scheduler.admit(self.host.now(), seats)
         self._note_role()
-        return t0, self._shape(), self._dispatch(touched)
+        prefill = self._prefill_rows() if self.prefilling else None  # this step's chunks
+        return t0, self._shape(prefill), self._dispatch(touched, prefill)
 
     def end(self, pending, touched: list[Request]) -> None:
         t0, shape, (steps, scored) = pending
@@ -148,14 +149,14 @@ class Instance:
                 self.decode_step_seconds = seconds if not self.decode_step_seconds else \
                     0.8 * self.decode_step_seconds + 0.2 * seconds
 
-    def _shape(self) -> tuple | None:
+    def _shape(self, prefill) -> tuple | None:
         """What this step runs (StepRecord's fields prefill_tokens .. decode_context), or None when it runs
-        nothing."""
-        if not self.prefilling and not self.running:
+        nothing. prefill: _prefill_rows() or None."""
+        if prefill is None and not self.running:
             return None
         tokens, shape, context = 0, (0, 0), 0
-        if self.prefilling:
-            rows, T, B = self._prefill_rows()
+        if prefill is not None:
+            rows, T, B = prefill
             tokens, shape = sum(len(c) for _, _, c in rows), (B, T)
             context = sum(start + len(c) for _, start, c in rows)
         rows = len(self.running)
@@ -268,10 +269,10 @@ class Instance:
     def _table(self, pages: list[int]) -> np.ndarray:
         return np.asarray(pages + [0] * (self.programs.max_pages - len(pages)), np.int32)
 
-    def _dispatch(self, touched: list[Request]) -> tuple[list[Dispatched], list]:
+    def _dispatch(self, touched: list[Request], prefill) -> tuple[list[Dispatched], list]:
         pending, scored = [], []
-        if self.prefilling:
-            pending.append(self._dispatch_prefill(scored))
+        if prefill is not None:
+            pending.append(self._dispatch_prefill(prefill, scored))
         ahead, self._ahead = self._ahead, None
         if ahead is not None and not self._continues(ahead):
             # The batch changed since the step in flight was dispatched: its tokens are needed on the host.
@@ -287,8 +288,8 @@ class Instance:
             pending.insert(0, ahead)
         return pending, scored
 
-    def _dispatch_prefill(self, scored: list) -> Dispatched:
-        rows, T, B = self._prefill_rows()
+    def _dispatch_prefill(self, prefill, scored: list) -> Dispatched:
+        rows, T, B = prefill
         ids, positions = np.zeros((B, T), np.int32), np.tile(np.arange(T, dtype=np.int32), (B, 1))
         tables = np.zeros((B, self.programs.max_pages), np.int32)  # padding rows write the null page 0
         last = np.full(B, -1, np.int32)  # -1: a padding row, no real token

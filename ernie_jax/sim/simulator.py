@@ -132,11 +132,10 @@ class SimInstance(Instance):
     def _copy_in(self, h, pages: list[int]) -> None:
         pass
 
-    def _dispatch(self, touched):
+    def _dispatch(self, touched, prefill):
         done = []
-        if self.prefilling:
-            rows, _, _ = self._prefill_rows()
-            for req, _, chunk in rows:
+        if prefill is not None:
+            for req, _, chunk in prefill[0]:
                 self.scheduler.prefilled(req, len(chunk))
                 if req.num_prefilled == len(req.prefill_ids):
                     done.append(req)
