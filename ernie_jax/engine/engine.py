@@ -327,9 +327,7 @@ class Engine:
             holder.scheduler.written(req, req.num_tokens - 1)  # every token but the newest has been fed
 
     def done_by_length(self, req: Request, n_out: int) -> bool:
-        """Whether n_out output tokens end req by length (max_tokens or max_model_len)."""
-        return (req.params.max_tokens is not None and n_out >= req.params.max_tokens) or \
-            len(req.prompt_ids) + n_out >= self.max_model_len
+        return req.done_by_length(n_out, self.max_model_len)
 
     def add_prompt_logprobs(self, req: Request, start: int, targets: list[int], scores) -> None:
         target_lp, top_ids, top_lps = (a[0] for a in scores)

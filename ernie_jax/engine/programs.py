@@ -360,7 +360,7 @@ class PageTransfer:
                                 donate_argnums=(0,), in_shardings=(dst.cache_shardings, self.page_shardings,
                                                                    dst.replicated),
                                 out_shardings=dst.cache_shardings)
-        self.seconds, self.bytes = 0.0, 0
+        self.seconds, self.bytes, self.pages = 0.0, 0, 0  # totals of every gather
         self.last: tuple[list[int], list[int]] | None = None  # (source, destination) pages of the last move
 
     def bucket(self, n: int) -> int:
@@ -374,6 +374,7 @@ class PageTransfer:
         moved = jax.block_until_ready(jax.device_put(pages, self.page_shardings))
         self.seconds += time.perf_counter() - t0
         self.bytes += sum(a.nbytes for a in jax.tree.leaves(pages)) * len(src_pages) // n
+        self.pages += len(src_pages)
         return moved
 
     def scatter(self, moved, src_pages: list[int], dst_pages: list[int]) -> None:

@@ -70,6 +70,11 @@ class Request:
         """Whether its prefill returns prompt logprobs (every position's logits: the cache is bypassed)."""
         return self.params.prompt_logprobs is not None and not self.output_ids
 
+    def done_by_length(self, n_out: int, max_model_len: int) -> bool:
+        """Whether n_out output tokens end it by length (max_tokens or max_model_len)."""
+        return (self.params.max_tokens is not None and n_out >= self.params.max_tokens) or \
+            len(self.prompt_ids) + n_out >= max_model_len
+
     @property
     def tpot(self) -> float | None:
         m = self.metrics

@@ -73,11 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--compilation-cache-dir", default="~/.cache/ernie_jax/xla", help="JAX persistent compilation cache ('' = off)")
     a("--shutdown-timeout", type=float, default=300.0, help="seconds to let requests finish after SIGTERM")
     a("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    args = ap.parse_args(argv)
-    for flag in ("pd_ttft_target", "pd_tpot_target"):
-        if getattr(args, flag) is not None and not getattr(args, flag) > 0:
-            ap.error(f"--{flag.replace('_', '-')} must be a positive number of seconds, got {getattr(args, flag)}")
-    return args
+    return ap.parse_args(argv)
 
 
 def mesh_size(mesh: str | None) -> int:
@@ -123,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.isdir(model_dir):
         raise SystemExit(f"--model {model_dir!r} is not a folder")
     name = args.served_model_name or os.path.basename(os.path.normpath(model_dir))
+    try:
+        policy = PDPolicy(args.pd_policy, ttft_target=args.pd_ttft_target, tpot_target=args.pd_tpot_target)
+    except ValueError as e:
+        raise SystemExit(f"--pd-policy / --pd-ttft-target / --pd-tpot-target: {e}") from None
     llm = LLM(model_dir, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
               mesh=args.mesh if n_devices > 1 else None, prefill_devices=args.prefill_devices,
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
               enable_prefix_caching=args.enable_prefix_caching, prefill_chunk=args.max_num_batched_tokens,
               compilation_cache_dir=args.compilation_cache_dir or None, batch_invariant=args.batch_invariant,
               background_compile=args.background_compile, kernels=args.kernels,
-              pd_policy=PDPolicy(args.pd_policy, ttft_target=args.pd_ttft_target, tpot_target=args.pd_tpot_target))
+              pd_policy=policy)
     if llm.tokenizer is None:
         raise SystemExit(f"{model_dir} has no tokenizer.model; the server needs one to render chats and text")
     _log_startup(llm, model_dir, args)

@@ -60,13 +60,13 @@ def main(argv: list[str] | None = None) -> int:
             trace = make_trace(name, rate, args.num_requests, scale=scale, max_model_len=max_model_len)
             span = trace[-1].arrival - trace[0].arrival
             targeted = PDPolicy("dynamic", ttft_target=ttft, tpot_target=tpot)
-            for mode, policy in (("colocated", None), ("static", None), ("dynamic", None),
-                                 ("dynamic, SLO targets", targeted)):
-                r = simulate(trace, cost, SimConfig(mode.split(",")[0], args.devices, n_prefill, **settings), policy)
+            for label, mode, policy in (("colocated", "colocated", None), ("static", "static", None),
+                                        ("dynamic", "dynamic", None), ("dynamic, SLO targets", "dynamic", targeted)):
+                r = simulate(trace, cost, SimConfig(mode, args.devices, n_prefill, **settings), policy)
                 t, p = r.ttft(), r.tpot() * 1e3
                 util = ", ".join(f"{k} {v:.0%}" for k, v in r.utilisation.items())
                 switches = sum(n for (_, src, dst), n in r.role_switches.items() if src != dst)
-                print(f"| {name} | {rate:g} | {mode} | {r.goodput(ttft, tpot, span):.2f} | {r.attained(ttft, tpot):.0%} | "
+                print(f"| {name} | {rate:g} | {label} | {r.goodput(ttft, tpot, span):.2f} | {r.attained(ttft, tpot):.0%} | "
                       f"{np.median(t):.2f} / {np.percentile(t, 99):.2f} | {np.median(p):.1f} / {np.percentile(p, 99):.1f} "
                       f"| {util} | {switches} |")
             if args.splits:

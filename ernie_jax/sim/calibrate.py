@@ -18,7 +18,6 @@ import os
 import sys
 import time
 
-import jax
 import numpy as np
 
 from ernie_jax.engine.request import Request
@@ -57,14 +56,6 @@ def replay(engine, trace: list[TraceRequest], *, seed: int = 0, timeout: float =
     return reqs
 
 
-def _tokens_handed_over(engine) -> tuple[float, int]:
-    """(seconds, KV tokens) of every hand-over so far, from the prefill instance's transfer totals."""
-    transfer = engine.instance("prefill").transfer
-    programs = engine.instance("prefill").programs
-    page_bytes = sum(a.nbytes for a in jax.tree.leaves(programs.cache)) / programs.num_pages
-    return transfer.seconds, round(transfer.bytes / page_bytes) * programs.page_size
-
-
 def _p50(xs) -> float:
     return float(np.median([x for x in xs if x is not None]))
 
@@ -89,8 +80,9 @@ def calibrate(args) -> int:
         replay(engine, trace(1))
         timelines[devices] = [list(i.timeline) for i in engine.instances]
         num_pages[devices] = engine.instances[0].pool.capacity
-        if engine.disaggregated:
-            transfer = _tokens_handed_over(engine)
+        if engine.disaggregated:  # every hand-over so far: seconds, KV tokens
+            moved = engine.instance("prefill").transfer
+            transfer = (moved.seconds, moved.pages * engine.page_size)
         settings = dict(max_num_seqs=engine.max_num_seqs, prefill_chunk=engine.prefill_chunk,
                         page_size=engine.page_size, max_model_len=engine.max_model_len,
                         enable_prefix_caching=engine.instances[0].pool.enable_caching,

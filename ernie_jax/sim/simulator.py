@@ -92,7 +92,7 @@ class SimHost:
         self.role_switches[key] = self.role_switches.get(key, 0) + 1
 
     def done_by_length(self, req: Request, n_out: int) -> bool:
-        return n_out >= req.params.max_tokens or len(req.prompt_ids) + n_out >= self.max_model_len
+        return req.done_by_length(n_out, self.max_model_len)
 
     def finish(self, req: Request, reason: str, stop_reason, holder) -> None:
         req.finish_reason, req.metrics.finished_time = reason, self.clock
