@@ -113,7 +113,7 @@ class LLM:
         unless `kernels` asks for a choice) or host weights."""
         execution = None
         if given is not None:
-            weights, dtype = given.weights(), given.dtype
+            weights, dtype = given.checkpoint_weights(), given.dtype
             execution = given.execution if kernels == "auto" else None
             if mesh is None and execution is not None:
                 return given, None

@@ -27,7 +27,7 @@ def main(process_id: int, port: int, out: str, mesh_spec: str) -> None:
     cfg = ErnieConfig(**BASE, moe_num_shared_experts=1)
     plan = ShardingPlan.create(make_mesh(mesh_spec), "tp_ep")
     host = jax.tree.map(np.asarray, init_weights(cfg, 7, jnp.float32))  # same seed, same weights everywhere
-    model = ErnieForCausalLM(cfg, shard_weights(host, plan), dtype=jnp.float32)
+    model = ErnieForCausalLM(cfg, shard_weights(host, plan, cfg), dtype=jnp.float32)
     model.plan = plan
     ids_host = np.random.default_rng(0).integers(3, cfg.vocab_size, (2, 9)).astype(np.int32)
     ids = jax.make_array_from_callback(ids_host.shape, plan.activation(("batch", None), ids_host.shape),

@@ -244,7 +244,7 @@ def with_kernels(model):
     from ernie_jax.quant import BlockFP8
     ex = ExecutionConfig.select(Platform("cpu"), "pallas", routed_experts="ragged")
     assert ex.uses_kernel("block_fp8_matmul") and ex.uses_kernel("paged_attention") and not ex.kv_bf16_bits
-    placed = ErnieForCausalLM.from_host(model.config, model.weights(), model.dtype, model.plan, ex)
+    placed = ErnieForCausalLM.from_host(model.config, model.checkpoint_weights(), model.dtype, model.plan, ex)
     fp8 = [w for w in jax.tree.leaves(placed.weights(), is_leaf=lambda x: isinstance(x, BlockFP8))
            if isinstance(w, BlockFP8)]
     assert fp8 and all(w.k_major for w in fp8)

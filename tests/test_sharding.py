@@ -254,3 +254,67 @@ def test_one_device_mesh_is_the_unsharded_path():
     assert {d.id for leaf in jax.tree.leaves(one.weights()) for d in leaf.devices()} == {3}
     ids = np.random.default_rng(5).integers(3, 256, (1, 6)).astype(np.int32)
     np.testing.assert_allclose(np.asarray(one(ids)), np.asarray(model(ids)), atol=1e-6)
+
+
+WIDE = dict(BASE, hidden_size=128, intermediate_size=256, num_attention_heads=16, num_key_value_heads=8)
+COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
+
+
+def compiled_collectives(text: str) -> dict[str, int]:
+    import re
+    found = re.findall(r"= \S+ (" + "|".join(COLLECTIVES) + r")(?:-start)?\(", text)
+    return {c: found.count(c) for c in set(found)}
+
+
+@pytest.mark.parametrize("mesh", ["data=1,expert=4,tensor=2", "data=1,expert=1,tensor=8"])
+def test_fused_columns_need_no_collective_before_attention_or_activation(mesh):
+    """Placed on a mesh, [Q|K|V] and [gate|up] hold one group per tensor shard (sharding/fused.py): a dense
+    layer's compiled program has no collective but the two all-reduces of its row-parallel linears (o and
+    down). In the checkpoint's layout XLA reshards q/k/v and gate/up (collective-permutes), which this
+    test shows too, and both layouts compute the same logits."""
+    cfg = ErnieConfig(**WIDE, moe_num_shared_experts=1)
+    model = ErnieForCausalLM(cfg, rngs=nnx.Rngs(3), dtype=jnp.float32)
+    ids = np.random.default_rng(0).integers(3, 256, (2, 9)).astype(np.int32)
+    counts, logits = {}, {}
+    for fused in (True, False):
+        plan = ShardingPlan.create(make_mesh(mesh), fused_layout=fused)
+        sharded = model.shard(plan)
+        w = jax.tree.map(lambda a: a[0], sharded.weights()["segments"][0])
+        x = jax.device_put(jnp.ones((2, 4, 128), jnp.float32), plan.activation(("batch", None, "embed"), (2, 4, 128)))
+        pos = jnp.broadcast_to(jnp.arange(4, dtype=jnp.int32), (2, 4))
+        layer = jax.jit(lambda h, w, p: decoder_layer(h, w, "dense", cfg, p, plan=plan, ex=sharded.execution)[0])
+        counts[fused] = compiled_collectives(layer.lower(x, w, pos).compile().as_text())
+        logits[fused] = np.asarray(sharded(ids))
+    assert counts[True] == {"all-reduce": 2}, counts
+    assert counts[False].get("collective-permute", 0) + counts[False].get("all-gather", 0) > 0, counts
+    np.testing.assert_allclose(logits[True], logits[False], atol=1e-5)
+    np.testing.assert_allclose(logits[True], np.asarray(model(ids)), atol=1e-5)
+
+
+def test_fused_layout_moves_whole_fp8_scale_blocks_and_back():
+    """An FP8 model (head_dim 128, so each tensor shard's Q, K and V columns are whole 128-column scale blocks)
+    re-laid for tensor=2, K-major or not: same logits as the checkpoint layout; checkpoint_weights() gives
+    back the exact checkpoint tensors; a layout the groups cannot take (2 KV heads over 8) keeps the
+    checkpoint's."""
+    from ernie_jax.model.weights import quantize_weights
+    from ernie_jax.quant import BlockFP8
+    from ernie_jax.sharding.fused import fused_groups
+    cfg = ErnieConfig(**dict(BASE, hidden_size=128, intermediate_size=256, head_dim=128), moe_num_shared_experts=1)
+    host = quantize_weights(ErnieForCausalLM(cfg, rngs=nnx.Rngs(1), dtype=jnp.float32).weights(), "weight_only")
+    ids = np.random.default_rng(0).integers(3, 256, (2, 9)).astype(np.int32)
+    ex = ExecutionConfig.select(Platform("cpu"))
+    canonical = np.asarray(ErnieForCausalLM.from_host(cfg, host, jnp.float32, ShardingPlan.create(
+        make_mesh("data=1,expert=4,tensor=2"), fused_layout=False), ex)(ids))
+    for k_major in (False, True):
+        tree = jax.tree.map(lambda w: w.relayout(k_major) if isinstance(w, BlockFP8) else w, host,
+                            is_leaf=lambda x: isinstance(x, BlockFP8))
+        plan = ShardingPlan.create(make_mesh("data=1,expert=4,tensor=2"))
+        model = ErnieForCausalLM.from_host(cfg, tree, jnp.float32, plan, ex)
+        seg = model.weights()["segments"][0]
+        assert fused_groups(plan, cfg, "qkv", seg["qkv"]) == 2 and fused_groups(plan, cfg, "up_gate", seg["up_gate"]) == 2
+        np.testing.assert_allclose(np.asarray(model(ids)), canonical, atol=1e-5)
+        back = model.checkpoint_weights()
+        for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(tree)):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    eight = ShardingPlan.create(make_mesh(8))
+    assert fused_groups(eight, cfg, "qkv", host["segments"][0]["qkv"]) == 1

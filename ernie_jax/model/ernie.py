@@ -63,8 +63,16 @@ class ErnieForCausalLM(nnx.Module):
         self.mtp = _to_nnx(weights["mtp"]) if "mtp" in weights else None
 
     def weights(self) -> dict[str, Any]:
-        """The plain weights pytree (same structure as weights.weight_shapes)."""
+        """The plain weights pytree (same structure as weights.weight_shapes) as the programs read it: on a
+        mesh, fused columns are in the plan's layout (sharding/fused.py)."""
         return _to_pure(nnx.to_pure_dict(nnx.state(self, nnx.Param)))
+
+    def checkpoint_weights(self) -> dict[str, Any]:
+        """The weights pytree in the checkpoint's layout (fused columns as [Q|K|V] and [gate|up])."""
+        if self.plan is None:
+            return self.weights()
+        from ernie_jax.sharding.fused import relayout_fused
+        return relayout_fused(self.weights(), self.plan, self.config, to_groups=False)
 
     @property
     def dtype(self):
@@ -102,13 +110,14 @@ class ErnieForCausalLM(nnx.Module):
 
     def shard(self, plan) -> "ErnieForCausalLM":
         """This model with every weight placed on plan.mesh by plan's rules (a new module; self unchanged)."""
-        return ErnieForCausalLM.from_host(self.config, self.weights(), self.dtype, plan, self.execution)
+        return ErnieForCausalLM.from_host(self.config, self.checkpoint_weights(), self.dtype, plan, self.execution)
 
     @classmethod
     def from_host(cls, config: ErnieConfig, weights: dict[str, Any], dtype, plan=None,
                   execution: ExecutionConfig | None = None, kernels: str = "auto") -> "ErnieForCausalLM":
-        """A model whose weights (host arrays or device arrays) go onto the default device (plan None) or
-        onto plan.mesh by plan's rules, each tensor straight onto its shards (sharding.placement).
+        """A model whose weights (host arrays or device arrays, in the checkpoint's layout: a placed model's
+        `checkpoint_weights()`, not its `weights()`) go onto the default device (plan None) or onto plan.mesh
+        by plan's rules, each tensor straight onto its shards (sharding.placement).
         execution: the ops' implementations (default: chosen for the target devices with `kernels`,
         "auto" | "pallas" | "xla"). When FP8 kernels are in use, block-FP8 matrices are stored K-major, as
         their MMAs read them."""
@@ -120,7 +129,7 @@ class ErnieForCausalLM(nnx.Module):
             weights = jax.tree.map(lambda a: jax.device_put(a, device), weights)
             return cls(config, weights, dtype=dtype, execution=execution)
         from ernie_jax.sharding.placement import shard_weights
-        model = cls(config, shard_weights(weights, plan), dtype=dtype, execution=execution)
+        model = cls(config, shard_weights(weights, plan, config), dtype=dtype, execution=execution)
         model.plan = plan
         return model
 
@@ -133,4 +142,4 @@ class ErnieForCausalLM(nnx.Module):
         B, T = input_ids.shape
         positions = jnp.broadcast_to(jnp.arange(T - 1, dtype=jnp.int32), (B, T - 1))
         return fwd.mtp_forward_jit(self.weights(), self.config, input_ids[:, 1:], out.hidden[:, :-1], positions,
-                                   self.execution)
+                                   self.execution, self.plan)

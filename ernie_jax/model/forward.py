@@ -19,6 +19,7 @@ from ernie_jax.config import ErnieConfig
 from ernie_jax.model import kv_cache as kvc
 from ernie_jax.model.layers import attention, linear, moe, paged_attention, rms_norm, rope, rope_table, swiglu
 from ernie_jax.ops.execution import REFERENCE, ExecutionConfig
+from ernie_jax.sharding.fused import fused_groups, fused_parts, split_fused
 from ernie_jax.sharding.rules import HIDDEN, KV_HEADS, Q_HEADS, ShardingPlan
 
 
@@ -60,7 +61,9 @@ def attention_block(x, w, cfg: ErnieConfig, positions, seg_cache=None, layer=Non
     B, T, _ = x.shape
     rotary = rotary_table(cfg, positions) if rotary is None else rotary
     qkv = linear(x, w["qkv"], ex, plan, "qkv")
-    q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+    # [Q|K|V], laid out per tensor shard under a plan (sharding/fused.py)
+    parts, _ = fused_parts(cfg, "qkv", qkv.shape[-1])
+    q, k, v = split_fused(qkv, parts, fused_groups(plan, cfg, "qkv", w["qkv"]))
     q = rope(q.reshape(B, T, cfg.num_attention_heads, cfg.head_dim), rotary)
     k = rope(k.reshape(B, T, cfg.num_key_value_heads, cfg.head_dim), rotary)
     v = v.reshape(B, T, cfg.num_key_value_heads, cfg.head_dim)
@@ -158,18 +161,20 @@ def forward(weights: dict[str, Any], cfg: ErnieConfig, input_ids: jax.Array, pos
 
 
 def mtp_forward(weights: dict[str, Any], cfg: ErnieConfig, next_ids: jax.Array, hidden: jax.Array,
-                positions: jax.Array, ex: ExecutionConfig = REFERENCE) -> jax.Array:
+                positions: jax.Array, ex: ExecutionConfig = REFERENCE, plan: ShardingPlan | None = None
+                ) -> jax.Array:
     """MTP logits for token t+2 from (x_{t+1}, h_t).
 
     next_ids [B,T] are the tokens x_{t+1}; hidden [B,T,H] the main model's final-normed states h_t;
     positions [B,T] the positions t. The block attends causally over these T inputs (no cache).
+    `plan`: the plan the weights were placed by (None: unsharded).
     """
     m = weights["mtp"]
     e = weights["embed"][next_ids].astype(hidden.dtype)
     z = jnp.concatenate([rms_norm(e, m["emb_norm"], cfg.rms_norm_eps),
                          rms_norm(hidden, m["hidden_norm"], cfg.rms_norm_eps)], axis=-1)
     u = linear(z, m["proj"], ex)
-    u, _, _ = decoder_layer(u, m["layer"], "dense", cfg, positions, ex=ex)
+    u, _, _ = decoder_layer(u, m["layer"], "dense", cfg, positions, plan=plan, ex=ex)
     return lm_head(weights, rms_norm(u, weights["final_norm"], cfg.rms_norm_eps))
 
 
@@ -188,6 +193,6 @@ def forward_cached_jit(weights, cfg, input_ids, positions, cache, logit_position
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "ex"))
-def mtp_forward_jit(weights, cfg, next_ids, hidden, positions, ex=REFERENCE):
-    return mtp_forward(weights, cfg, next_ids, hidden, positions, ex)
+@functools.partial(jax.jit, static_argnames=("cfg", "ex", "plan"))
+def mtp_forward_jit(weights, cfg, next_ids, hidden, positions, ex=REFERENCE, plan=None):
+    return mtp_forward(weights, cfg, next_ids, hidden, positions, ex, plan)

@@ -24,6 +24,7 @@ from ernie_jax.ops.routed_experts import route, routed_experts
 from ernie_jax.quant import BlockFP8
 from ernie_jax.sharding.attention import paged_attention_sharded
 from ernie_jax.sharding.expert_parallel import moe_ep
+from ernie_jax.sharding.fused import fused_groups, split_fused
 from ernie_jax.sharding.linear import fp8_linear_sharded
 
 _NEG_INF = -1e30
@@ -100,10 +101,13 @@ def paged_attention(q, k_pool, v_pool, k_scale, v_scale, tables, positions, ex: 
 
 
 def swiglu(x: jax.Array, up_gate, down, ex: ExecutionConfig = REFERENCE, plan=None) -> jax.Array:
-    """Paddle's fused `up_gate_proj` holds [gate | up] despite its name. (Shared experts are split like the
-    dense FFN, so both pass the dense leaves' names.)"""
+    """Paddle's fused `up_gate_proj` holds [gate | up] despite its name; under a plan, one [gate_i | up_i]
+    group per tensor shard (sharding/fused.py). (Shared experts are split like the dense FFN, so both pass
+    the dense leaves' names.)"""
     u = linear(x, up_gate, ex, plan, "up_gate")
-    return linear(dense.silu_mul(*jnp.split(u, 2, axis=-1)), down, ex, plan, "down")
+    half = u.shape[-1] // 2
+    gate, up = split_fused(u, (half, half), fused_groups(plan, None, "up_gate", up_gate))
+    return linear(dense.silu_mul(gate, up), down, ex, plan, "down")
 
 
 def moe(x: jax.Array, w: dict, cfg: ErnieConfig, ex: ExecutionConfig = REFERENCE, plan=None,

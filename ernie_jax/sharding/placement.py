@@ -1,7 +1,8 @@
 """Putting weights and caches onto a mesh, and counting what each device holds.
 
 `shard_weights` builds every sharded array from its host copy shard by shard
-(`jax.make_array_from_callback`), so no device ever holds a full copy of a tensor it only owns a slice of.
+(`jax.make_array_from_callback`), so no device ever holds a full copy of a tensor it only owns a slice of;
+fused [Q|K|V] and [gate|up] leaves are first re-laid in the plan's groups (fused.py).
 """
 
 from __future__ import annotations
@@ -12,10 +13,14 @@ from typing import Any
 import jax
 import numpy as np
 
+from ernie_jax.config import ErnieConfig
+from ernie_jax.sharding.fused import relayout_fused
 from ernie_jax.sharding.rules import ShardingPlan
 
 
-def shard_weights(weights: Any, plan: ShardingPlan) -> Any:
+def shard_weights(weights: Any, plan: ShardingPlan, cfg: ErnieConfig) -> Any:
+    """The checkpoint-layout weights pytree placed on plan.mesh, in plan's fused layout."""
+    weights = relayout_fused(weights, plan, cfg)
     shardings = plan.shardings(weights)
 
     def place(x, sharding):

@@ -14,9 +14,9 @@ Presets:
 - "dp_attn_ep": attention, dense FFN and vocabulary replicated, batch over "data"; experts over all
   three axes (tokens are gathered into the MoE block and scattered back).
 Dense FFNs (and shared experts) are split over "tensor" by width: `up_gate` by its fused [gate|up] output
-columns, `down` by its input rows. A column block of the fused output holds gate or up columns, not both,
-so XLA reshards the activation before silu(gate) * up (a collective per dense layer); "dp_attn_ep"
-replicates them instead.
+columns, `down` by its input rows. Weights placed by a plan with `fused_layout` (the default) hold their
+fused [Q|K|V] and [gate|up] columns in one group per tensor shard (fused.py), so attention and the SwiGLU
+activation need no collective; "dp_attn_ep" replicates the dense FFNs instead.
 """
 
 from __future__ import annotations
@@ -72,9 +72,13 @@ class ShardingPlan:
 
     mesh: Mesh
     rules: tuple[tuple[str, tuple[str, ...]], ...]
+    # Weights placed by this plan hold fused columns in one group per tensor shard (fused.py). Training keeps
+    # the checkpoint layout (False): its parameters and optimizer state are saved as they are.
+    fused_layout: bool = True
 
     @classmethod
-    def create(cls, mesh: Mesh, rules: str | dict[str, tuple] = "tp_ep") -> "ShardingPlan":
+    def create(cls, mesh: Mesh, rules: str | dict[str, tuple] = "tp_ep", fused_layout: bool = True
+               ) -> "ShardingPlan":
         if isinstance(rules, str):
             if rules not in PRESETS:
                 raise ShardingError(f"unknown sharding preset {rules!r}; known: {sorted(PRESETS)}")
@@ -89,7 +93,7 @@ class ShardingPlan:
             if len(used) != len(set(used)):
                 raise ShardingError(f"sharding rules map two axes of {leaf!r} {logical} onto the same mesh axis "
                                     f"({used}); each mesh axis can split a tensor only once")
-        return cls(mesh, tuple(sorted(table.items())))
+        return cls(mesh, tuple(sorted(table.items())), fused_layout)
 
     @property
     def table(self) -> dict[str, tuple[str, ...]]:

@@ -205,7 +205,7 @@ def train(corpus: str, run: str, recipe_name: str = "embedded", steps: int | Non
     plan = None
     if mesh:
         from ernie_jax.sharding import ShardingPlan, make_mesh
-        plan = ShardingPlan.create(make_mesh(mesh))
+        plan = ShardingPlan.create(make_mesh(mesh), fused_layout=False)  # checkpoints keep the release layout
     manager = checkpoint_manager(run, checkpoint_every)
     state = restore_latest(manager, init_state(init_params(cfg, tc.seed), tc))
     state = place(state, plan)

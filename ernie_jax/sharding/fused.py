@@ -1,0 +1,115 @@
+"""Fused [Q|K|V] and [gate|up] columns laid out for the mesh, so each tensor shard holds whole groups.
+
+The checkpoint's fused linears hold every query head, then every KV head ([Q|K|V]), and every gate column,
+then every up column ([gate|up]). Split contiguously over t tensor devices, a shard would hold query heads
+without their KV heads, or gate columns without their up columns, and XLA would reshard the activation
+before attention and before silu(gate) * up: collectives in every layer. On a plan with `fused_layout`,
+`placement.shard_weights` re-lays these leaves as t groups, [Q_i|K_i|V_i] and [gate_i|up_i], so the
+contiguous split hands device i group i, and the forward splits the fused output group by group
+(`split_fused`). One group is the checkpoint layout; a model whose heads or columns the mesh cannot
+split into whole groups (e.g. 2 KV heads on 8 devices, or FP8 groups that are not whole 128-column scale
+blocks) keeps it, and the start-up log says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax.numpy as jnp
+import numpy as np
+
+from ernie_jax.config import ErnieConfig
+from ernie_jax.quant import BlockFP8
+
+log = logging.getLogger("ernie_jax.sharding")
+
+# Fused leaf -> the logical axis its output columns are split on (rules.LEAF_AXES).
+FUSED_LEAVES = {"qkv": "qkv", "up_gate": "mlp", "shared_up_gate": "mlp"}
+_noted: set[tuple] = set()
+
+
+def fused_parts(cfg: ErnieConfig | None, leaf: str, width: int) -> tuple[tuple[int, ...], int]:
+    """(column counts of the fused parts, the columns one indivisible unit spans): [Q|K|V] splits by whole
+    heads (cfg says how many), [gate|up] (of any `width`) by columns."""
+    if leaf == "qkv":
+        return (cfg.q_size, cfg.kv_size, cfg.kv_size), cfg.head_dim
+    return (width // 2, width // 2), 1
+
+
+def fused_groups(plan, cfg: ErnieConfig | None, leaf: str, w) -> int:
+    """How many groups leaf `w` is laid out in under `plan` (1: the checkpoint layout)."""
+    if plan is None or not plan.fused_layout:
+        return 1
+    t = plan.size_of(plan.axes_of(FUSED_LEAVES[leaf]))
+    width = w.shape[-1]
+    if t == 1 or width % t:  # unsplit, or replicated by the rules
+        return 1
+    parts, unit = fused_parts(cfg, leaf, width)
+    why = None
+    if any(p % (t * unit) for p in parts):
+        why = f"parts {parts} do not split into {t} groups of whole {'heads' if unit > 1 else 'columns'}"
+    elif isinstance(w, BlockFP8) and any((p // t) % w.block for p in parts):
+        why = f"{t} groups of {[p // t for p in parts]} columns are not whole {w.block}-column FP8 scale blocks"
+    if why is None:
+        return t
+    key = (leaf, tuple(w.shape), t)
+    if key not in _noted:
+        _noted.add(key)
+        log.warning("%s %s on mesh %s keeps the checkpoint's fused layout (%s): XLA reshards its output before "
+                    "use", leaf, tuple(w.shape), dict(plan.mesh.shape), why)
+    return 1
+
+
+def split_fused(y, parts: tuple[int, ...], groups: int) -> list:
+    """The fused parts of y [..., C] laid out in `groups` groups -> [..., p] for each p in parts."""
+    xp = np if isinstance(y, np.ndarray) else jnp
+    cuts = np.cumsum([p // groups for p in parts])[:-1].tolist()
+    if groups == 1:
+        return xp.split(y, cuts, axis=-1)
+    lead = y.shape[:-1]
+    pieces = xp.split(y.reshape(*lead, groups, y.shape[-1] // groups), cuts, axis=-1)
+    return [p.reshape(*lead, -1) for p in pieces]
+
+
+def group_fused(parts_arrays: list, groups: int):
+    """Inverse of split_fused: [..., p] per part -> [..., C] laid out in `groups` groups."""
+    xp = np if all(isinstance(a, np.ndarray) for a in parts_arrays) else jnp
+    if groups == 1:
+        return xp.concatenate(parts_arrays, axis=-1)
+    lead = parts_arrays[0].shape[:-1]
+    grouped = [a.reshape(*lead, groups, a.shape[-1] // groups) for a in parts_arrays]
+    return xp.concatenate(grouped, axis=-1).reshape(*lead, -1)
+
+
+def _on_columns(w, fn, block: int):
+    """fn applied to w's output-column axis: an array's last axis; a BlockFP8's values (their second-to-last
+    axis when K-major) and scales (at block granularity)."""
+    if not isinstance(w, BlockFP8):
+        return fn(w, 1)
+    values = fn(w.values.swapaxes(-1, -2), 1).swapaxes(-1, -2) if w.k_major else fn(w.values, 1)
+    return dataclasses.replace(w, values=values, scales=fn(w.scales, block))
+
+
+def relayout_fused(weights: dict, plan, cfg: ErnieConfig, to_groups: bool = True) -> dict:
+    """weights with every fused leaf moved into plan's layout (to_groups) or back to the checkpoint's."""
+    def leaf(name, w):
+        groups = fused_groups(plan, cfg, name, w)
+        if groups == 1:
+            return w
+        parts, _ = fused_parts(cfg, name, w.shape[-1])
+
+        def move(a, scale):
+            p = tuple(n // scale for n in parts)
+            if to_groups:
+                return group_fused(split_fused(a, p, 1), groups)
+            return group_fused(split_fused(a, p, groups), 1)
+        return _on_columns(w, move, w.block if isinstance(w, BlockFP8) else 1)
+
+    def layer(tree):
+        return {k: leaf(k, v) if k in FUSED_LEAVES else v for k, v in tree.items()}
+    out = {**weights, "segments": [layer(s) if isinstance(s, dict) else [layer(x) for x in s]
+                                   for s in weights["segments"]]}
+    if "mtp" in weights:
+        out["mtp"] = {**weights["mtp"], "layer": layer(weights["mtp"]["layer"])}
+    return out
