@@ -50,6 +50,8 @@ class LLM:
     or a PDPolicy (its thresholds and TTFT / TPOT targets).
     kernels: "auto" (the Pallas kernels where the device supports them and they pass their start-up
     self-check), "pallas" (force them; interpreted off GPUs) or "xla" (none); see ops/execution.py.
+    speculative_config: MTP speculative decoding, vLLM's / FastDeploy's shape: {"method": "mtp" (or
+    "ernie_mtp"), "num_speculative_tokens": k (1-4)}, a dict or its JSON (engine/speculative.py).
     """
 
     def __init__(self, model: str | ErnieForCausalLM, *, dtype: str = "bfloat16", seed: int = 0,
@@ -59,7 +61,8 @@ class LLM:
                  page_size: int = 16, num_pages: int | None = None, gpu_memory_utilization: float | None = None,
                  enable_prefix_caching: bool = True, prefill_chunk: int = 512,
                  compilation_cache_dir: str | None = "~/.cache/ernie_jax/xla", batch_invariant: bool = False,
-                 background_compile: bool = False, kernels: str = "auto", pd_policy: str | PDPolicy = "dynamic"):
+                 background_compile: bool = False, kernels: str = "auto", pd_policy: str | PDPolicy = "dynamic",
+                 speculative_config: dict | str | None = None):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
         jdtype = _DTYPES[dtype]
@@ -101,7 +104,8 @@ class LLM:
                              enable_prefix_caching=enable_prefix_caching,
                              prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype, eos_token_ids=frozenset(eos),
                              tokenizer=self.tokenizer, seed=seed, batch_invariant=batch_invariant,
-                             background_compile=background_compile, pd_policy=pd_policy)
+                             background_compile=background_compile, pd_policy=pd_policy,
+                             speculative_config=speculative_config)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

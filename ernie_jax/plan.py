@@ -8,12 +8,13 @@ carrying their shardings, on as many fake CPU devices as the mesh needs (set up 
 programs are engine.programs.step_program, lowered by lower_step exactly as ModelPrograms lowers its
 buckets, with the execution config a GPU selects without kernels (the Pallas kernels are not
 partitioned by XLA:CPU): prefill = one chunk of `--prefill-tokens` tokens, decode = one token for each of
-`--max-num-seqs` sequences, over the pools the engine allocates where devices report no memory limit
+`--max-num-seqs` sequences (with `--speculative-config`, the MTP programs: prefill drafting after the chunk,
+decode verifying k drafts, k + 1 tokens per sequence), over the pools the engine allocates where devices report no memory limit
 (max_num_seqs x pages per sequence; under PD each submesh's pool that size; on GPUs the engine sizes its
 pools from memory instead, which is what "KV tokens that fit" estimates). Per
 device it reports weights and KV bytes (exact, from the shardings), temporaries (XLA:CPU's figure, shown
 but not trusted: XLA:CPU upcasts bf16 dot operands and decomposes ragged_dot densely, so its temporaries
-do not predict a GPU's, ANCHORS P10), the compile time, and how many tokens of KV fit per submesh on an
+do not predict a GPU's, ANCHORS P10), XLA's FLOP estimate for one device's program, the compile time, and how many tokens of KV fit per submesh on an
 H200 (141 GB) and an H100 (80 GB) once the weights are resident, at vLLM's default 0.9 memory utilisation.
 """
 
@@ -37,7 +38,9 @@ def _setup_devices(n: int) -> None:
 
 
 def plan_program(cfg, devices, mesh_spec, *, quantization, kv_cache_dtype, batch, tokens, num_pages, page_size,
-                 max_pages, rules="tp_ep") -> dict:
+                 max_pages, rules="tp_ep", kind="step", k=0) -> dict:
+    """kind: step_program's ("step", or "spec_prefill" / "verify" with k MTP drafts: the pool then holds the
+    MTP block's KV, and a verify step is `tokens` = k + 1 per sequence)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -56,17 +59,22 @@ def plan_program(cfg, devices, mesh_spec, *, quantization, kv_cache_dtype, batch
     w_shard = plan.shardings(weights)
     weights = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), weights, w_shard)
     w_bytes = abstract_device_bytes(weights, w_shard)  # the MTP block included: it is resident
-    weights.pop("mtp", None)  # the engine's programs do not read it (yet)
+    if not k:
+        weights.pop("mtp", None)  # only the speculative programs read it
     rope = jax.eval_shape(lambda: rope_cache(cfg, page_size * max_pages))
     weights["rope_cache"] = jax.ShapeDtypeStruct(rope.shape, rope.dtype, sharding=replicated)
-    cache = jax.eval_shape(lambda: KVCache.create(cfg, num_pages, page_size, KV_CACHE_DTYPES[kv_cache_dtype]))
+    cache = jax.eval_shape(lambda: KVCache.create(cfg, num_pages, page_size, KV_CACHE_DTYPES[kv_cache_dtype], k > 0))
     c_shard = cache.shardings(plan)
     cache = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), cache, c_shard)
     t0 = time.perf_counter()
-    jitted = step_program(cfg, plan, ex, jax.tree.map(lambda a: a.sharding, weights), c_shard, replicated)
-    compiled = lower_step(jitted, weights, cache, replicated, batch, tokens, max_pages, sampling=True).compile()
+    jitted = step_program(cfg, plan, ex, jax.tree.map(lambda a: a.sharding, weights), c_shard, replicated,
+                          kind=kind, k=k)
+    extra = ((batch,),) if k else ()  # next_tokens / max_accept
+    compiled = lower_step(jitted, weights, cache, replicated, batch, tokens, max_pages, extra, sampling=True).compile()
     seconds = time.perf_counter() - t0
     mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
     kv_bytes = abstract_device_bytes(cache, c_shard)
     temp = int(getattr(mem, "temp_size_in_bytes", 0)) if mem is not None else 0
     per_token = kv_bytes / (num_pages * page_size)
@@ -75,6 +83,7 @@ def plan_program(cfg, devices, mesh_spec, *, quantization, kv_cache_dtype, batch
             "weights_bytes": w_bytes, "kv_cache_bytes": kv_bytes, "temp_bytes": temp,
             "resident_bytes": w_bytes + kv_bytes, "kv_bytes_per_token": per_token,
             "compile_seconds": round(seconds, 2), "execution": ex.describe(),
+            "flops": float(cost.get("flops", 0.0)),  # XLA's estimate for one device's program
             "kv_tokens_fit": {gpu: max(0, int((UTILIZATION * cap - w_bytes) // per_token)) for gpu, cap in GPUS.items()},
             "fits": {gpu: w_bytes + kv_bytes <= UTILIZATION * cap for gpu, cap in GPUS.items()}}
 
@@ -93,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-tokens", type=int, default=None, help="default: min(max-model-len, 8192)")
     ap.add_argument("--sharding", default="tp_ep", help="rules preset")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV page")
+    ap.add_argument("--speculative-config", default=None, metavar="JSON",
+                    help='MTP speculative decoding, as the server takes it: the speculative programs (prefill '
+                         'with MTP drafts; decode verifying k drafts, k + 1 tokens per sequence)')
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -106,41 +118,55 @@ def main(argv: list[str] | None = None) -> int:
     d_dev = args.decode_devices if args.decode_devices is not None else (n - p_dev if disagg else n)
     if disagg and (p_dev < 1 or d_dev < 1 or p_dev + d_dev > n):
         ap.error(f"--prefill-devices {p_dev} + --decode-devices {d_dev} must be >= 1 each and fit --mesh {n}")
+    from ernie_jax.engine.speculative import SpeculativeConfig
+    try:
+        spec = SpeculativeConfig.parse(args.speculative_config)
+    except ValueError as e:
+        ap.error(f"--speculative-config: {e}")
+    k = spec.num_speculative_tokens if spec else 0
     _setup_devices(n)
     import jax
 
     from ernie_jax.config import PRESETS, ErnieConfig
     cfg = ErnieConfig.preset(args.model) if args.model.lower() in PRESETS else ErnieConfig.from_pretrained(args.model)
+    if k and not cfg.has_mtp:
+        ap.error(f"--speculative-config: {args.model} has no MTP block (num_nextn_predict_layers = 0)")
     devices = jax.devices()[:n]
     prefill_tokens = args.prefill_tokens or min(args.max_model_len, 8192)
     page = args.block_size
     max_pages = -(-args.max_model_len // page)
     decode_pool = args.max_num_seqs * max_pages + 1  # Engine's pool where devices report no memory limit
+    table_pages = -(-(args.max_model_len + 4 * k + 1) // page) if k else max_pages  # as the Engine widens them
     common = dict(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, rules=args.sharding,
-                  page_size=page, max_pages=max_pages)
+                  page_size=page, max_pages=table_pages, k=k)
     prefill_devs = devices[:p_dev]
     decode_devs = devices[p_dev:p_dev + d_dev] if disagg else devices
     prefill_pool = decode_pool  # each PD submesh's pool is sized by the same rule
     report = {"model": args.model, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
               "disaggregated": disagg,
+              "speculative_tokens": k,
               "prefill": plan_program(cfg, prefill_devs, len(prefill_devs) if disagg else args.mesh, batch=1,
-                                      tokens=prefill_tokens, num_pages=prefill_pool, **common),
+                                      tokens=prefill_tokens, num_pages=prefill_pool,
+                                      kind="spec_prefill" if k else "step", **common),
               "decode": plan_program(cfg, decode_devs, len(decode_devs) if disagg else args.mesh,
-                                     batch=args.max_num_seqs, tokens=1, num_pages=decode_pool, **common)}
+                                     batch=args.max_num_seqs, tokens=k + 1, num_pages=decode_pool,
+                                     kind="verify" if k else "step", **common)}
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
     print(f"{args.model} ({args.quantization or 'bf16'} weights, {args.kv_cache_dtype} KV), "
-          f"{'disaggregated' if disagg else 'colocated'} on {n} devices; ops: {report['decode']['execution']}")
-    print("| program | devices | weights GB | KV pool GB | weights+KV GB | temp GB (XLA:CPU) | compile s | "
+          f"{'disaggregated' if disagg else 'colocated'} on {n} devices"
+          f"{f', MTP with {k} draft tokens' if k else ''}; ops: {report['decode']['execution']}")
+    print("| program | devices | weights GB | KV pool GB | weights+KV GB | temp GB (XLA:CPU) | GFLOP (XLA) | compile s | "
           "KV tokens that fit, H200 | H100 |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in ("prefill", "decode"):
         r = report[name]
         fit = r["kv_tokens_fit"]
         print(f"| {name} ({r['batch']} x {r['tokens']} tok, {r['kv_pages']} pages) | {r['devices']} | "
               f"{r['weights_bytes'] / 1e9:.2f} | {r['kv_cache_bytes'] / 1e9:.2f} | {r['resident_bytes'] / 1e9:.2f} | "
-              f"{r['temp_bytes'] / 1e9:.2f} | {r['compile_seconds']} | {fit['H200']:,} | {fit['H100']:,} |")
+              f"{r['temp_bytes'] / 1e9:.2f} | {r['flops'] / 1e9:,.0f} | {r['compile_seconds']} | {fit['H200']:,} | "
+              f"{fit['H100']:,} |")
     return 0
 
 

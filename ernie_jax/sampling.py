@@ -146,3 +146,66 @@ def _sample_rows(logits, greedy, temperature, top_p, top_k, min_p, seeds, steps)
     choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, sorted_logits, -jnp.inf))
     sampled = jnp.take_along_axis(sorted_ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
     return jnp.where(temperature > 0, sampled, greedy)
+
+
+def filtered_logits(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array) -> jax.Array:
+    """logits [N,V] / temperature with the tokens that top-k and top-p cut set to -inf, in vocabulary order:
+    the distribution `_sample_rows` draws from (without min-p). temperature [N] > 0."""
+    V = logits.shape[-1]
+    sorted_logits, sorted_ids = lax.top_k(logits / temperature[:, None], V)
+    rank = jnp.arange(V)[None, :]
+    keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
+    kept = jnp.zeros(logits.shape, bool).at[jnp.arange(logits.shape[0])[:, None], sorted_ids].set(keep)
+    return jnp.where(kept, logits / temperature[:, None], -jnp.inf)
+
+
+def speculative_verify(logits: jax.Array, drafts: jax.Array, temperature: jax.Array, top_p: jax.Array,
+                       top_k: jax.Array, seeds: jax.Array, steps: jax.Array, max_accept: jax.Array
+                       ) -> tuple[jax.Array, jax.Array]:
+    """Verify k draft tokens per row against the target's logits at k+1 positions.
+
+    logits [B,k+1,V]: the target after the last accepted token and after each draft; drafts [B,k];
+    steps [B]: the index of the first token this step emits (its sampling stream: (seed, steps + j));
+    max_accept [B]: how many drafts a row may accept (0: it takes one token, as without speculation).
+    A greedy row accepts a draft iff it is the target's argmax, so its tokens are exactly greedy decoding's.
+    A sampled row treats the draft as a point-mass proposal: draft d at position j is accepted with
+    probability p_j(d), where p_j is the target's filtered distribution (temperature, top-k, top-p); at the
+    first rejection the token is drawn from p_j without d (renormalised), and after k acceptances a bonus
+    token from p_k. Each emitted token is then distributed exactly as p (speculative sampling's rule with
+    q = one-hot(d)). Returns (tokens [B,k+1]: the emitted ones first, accepted [B]): a row emits
+    tokens[:accepted + 1]."""
+    B, T, V = logits.shape
+    k = T - 1
+    greedy = _argmax(logits.reshape(B * T, V)).reshape(B, T)
+    sampled_rows = temperature > 0
+    j = jnp.arange(T)[None, :]
+
+    def sample_all():
+        t = jnp.where(sampled_rows, temperature, 1.0)
+        flat = filtered_logits(logits.reshape(B * T, V), jnp.repeat(t, T), jnp.repeat(top_p, T), jnp.repeat(top_k, T))
+        flat = flat.reshape(B, T, V)
+        keys = jax.vmap(jax.vmap(_row_key, (None, 0)), (0, 0))(seeds, steps[:, None] + j)  # [B,T]
+        plain = jax.vmap(jax.vmap(jax.random.categorical))(keys, flat)
+        probs = jax.nn.softmax(flat[:, :k], axis=-1)
+        p_draft = jnp.take_along_axis(probs, drafts[..., None], axis=-1)[..., 0]  # [B,k]
+        accept_keys = jax.vmap(jax.vmap(lambda key: jax.random.fold_in(key, 1)))(keys[:, :k])
+        u = jax.vmap(jax.vmap(jax.random.uniform))(accept_keys)
+        without = jnp.where(jax.nn.one_hot(drafts, V, dtype=bool), -jnp.inf, flat[:, :k])
+        resample_keys = jax.vmap(jax.vmap(lambda key: jax.random.fold_in(key, 2)))(keys[:, :k])
+        resampled = jax.vmap(jax.vmap(jax.random.categorical))(resample_keys, without)
+        return plain.astype(jnp.int32), u < p_draft, resampled.astype(jnp.int32)
+
+    plain, accepts, resampled = lax.cond(jnp.any(sampled_rows), sample_all, lambda: (
+        greedy, jnp.zeros((B, k), bool), greedy[:, :k]))
+    accepts = jnp.where(sampled_rows[:, None], accepts, drafts == greedy[:, :k])
+    accepted = jnp.minimum(jnp.sum(jnp.cumprod(accepts, axis=1), axis=1), max_accept).astype(jnp.int32)
+    # the token at the first position not accepted: a rejected draft's resample, else a plain draw (after
+    # every draft was accepted, or where max_accept stopped a row)
+    rejected = jnp.concatenate([~accepts, jnp.zeros((B, 1), bool)], axis=1)
+    resampled = jnp.concatenate([resampled, plain[:, k:]], axis=1)
+    own = jnp.where(sampled_rows[:, None], jnp.where(rejected, resampled, plain), greedy)
+    padded_drafts = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)
+    tokens = jnp.where(j < accepted[:, None], padded_drafts, own)
+    return tokens.astype(jnp.int32), accepted

@@ -18,6 +18,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -202,6 +203,44 @@ async def _first_model(client: httpx.AsyncClient, base: str) -> str:
         raise BenchError(f"GET {base}/v1/models: no model id in {resp.text[:300]!r}; pass --model") from None
 
 
+SPEC_METRIC = re.compile(r'^ernie_jax:spec_decode_(num_drafts|num_draft_tokens|num_accepted_tokens|'
+                         r'num_accepted_tokens_per_pos)_total\{([^}]*)\} ([0-9.e+-]+)$', re.M)
+
+
+def parse_spec_counters(text: str) -> dict | None:
+    """The speculative-decoding counters of a Prometheus scrape: {name or (name, position): value}, or None
+    when the server does not speculate."""
+    found: dict = {}
+    for name, labels, value in SPEC_METRIC.findall(text):
+        position = re.search(r'position="(\d+)"', labels)
+        key = (name, int(position.group(1))) if position else name
+        found[key] = found.get(key, 0.0) + float(value)
+    return found or None
+
+
+async def _spec_counters(client, base: str) -> dict | None:
+    try:
+        return parse_spec_counters((await client.get(f"{base}/metrics")).text)
+    except httpx.HTTPError:
+        return None
+
+
+def spec_decode_metrics(before: dict | None, after: dict | None) -> dict | None:
+    """vLLM's bench serve figures over the run: acceptance rate, mean acceptance length, per-position rates."""
+    if not before or not after:
+        return None
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    drafts = d.get("num_drafts", 0.0)
+    if not drafts:
+        return None
+    positions = sorted(k[1] for k in d if isinstance(k, tuple))
+    return {"drafts": int(drafts), "draft_tokens": int(d.get("num_draft_tokens", 0)),
+            "accepted_tokens": int(d.get("num_accepted_tokens", 0)),
+            "acceptance_rate": d.get("num_accepted_tokens", 0) / max(d.get("num_draft_tokens", 0), 1),
+            "acceptance_length": 1 + d.get("num_accepted_tokens", 0) / drafts,
+            "per_position": [d[("num_accepted_tokens_per_pos", p)] / drafts for p in positions]}
+
+
 async def run_benchmark(args) -> dict:
     base = args.url.rstrip("/").removesuffix("/v1")
     if not base.startswith(("http://", "https://")):
@@ -233,6 +272,7 @@ async def run_benchmark(args) -> dict:
             warm = await asyncio.gather(*(one(*requests[i % len(requests)]) for i in range(args.warmup)))
             if bad := next((w for w in warm if not w.success), None):
                 raise BenchError(f"warm-up request to {url} failed: {bad.error}")
+        spec_before = await _spec_counters(client, base)
         tasks = []
         start = time.perf_counter()
         for req, gap in zip(requests, gaps):
@@ -241,7 +281,9 @@ async def run_benchmark(args) -> dict:
             tasks.append(asyncio.create_task(one(*req)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        spec_after = await _spec_counters(client, base)
     metrics = calculate_metrics(results, duration, args.slos, args.percentile_list)
+    metrics["spec_decode"] = spec_decode_metrics(spec_before, spec_after)
     config = {k: v for k, v in vars(args).items() if k not in ("slos", "percentile_list")}
     return {"config": {**config, "model": model, "request_rate": str(args.request_rate)}, **metrics}
 
@@ -306,6 +348,15 @@ def print_report(res: dict, percentiles: list[float], file=None) -> None:
         for p in percentiles:
             if p != 50:  # the median row already shows it
                 row(f"P{p:g} {name.upper()} (ms):", res[f"p{p:g}_{name}_ms"])
+    if spec := res.get("spec_decode"):
+        print("{s:{c}^50}".format(s="Speculative Decoding", c="-"), file=file)
+        row("Acceptance rate (%):", 100 * spec["acceptance_rate"])
+        row("Acceptance length:", spec["acceptance_length"])
+        row("Drafts:", spec["drafts"])
+        row("Draft tokens:", spec["draft_tokens"])
+        row("Accepted tokens:", spec["accepted_tokens"])
+        for i, rate in enumerate(spec["per_position"]):
+            row(f"Position {i} acceptance rate (%):", 100 * rate)
     print("=" * 50, file=file)
     if res["usage_missing"]:
         print(f"note: {res['usage_missing']} responses had no usage block; their output tokens are the count "

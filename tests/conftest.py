@@ -27,6 +27,7 @@ SLOW_CASES: dict[str, tuple[str, ...]] = {
     "test_sharding.py::test_other_presets": (),
     "test_sharding.py::test_skewed_routing_drops_nothing_under_ep": (),
     "test_sharding.py::test_plan_cli_on_tiny": (),
+    "test_sharding.py::test_plan_cli_compiles_the_speculative_programs": (),
     "test_sharding.py::test_disjoint_submeshes": (),
     "test_sharding.py::test_all_to_all_worst_case_load_with_padding_tokens": (),
     "test_serve.py::test_sigterm_drains_requests_in_flight": (),
@@ -69,6 +70,9 @@ SLOW_CASES: dict[str, tuple[str, ...]] = {
     "test_pd.py::test_decode_keeps_stepping_while_a_2000_token_prompt_prefills": (),
     "test_sim.py::test_calibrate_fits_the_real_engine_and_predicts_it": (),
     "test_engine.py::test_async_engine_takes_requests_during_a_step_and_survives_a_device_error": ("single",),
+    "test_speculative.py::test_greedy_with_mtp_equals_greedy_without_on_golden": (),
+    "test_speculative.py::test_greedy_with_mtp_equals_greedy_without_under_pd": (),
+    "test_speculative.py::test_preemption_and_prefix_caching_stay_exact_with_mtp": (),
 }
 
 

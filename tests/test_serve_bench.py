@@ -248,3 +248,20 @@ def test_server_down(capsys):
     assert err.startswith("error: cannot reach") and "Traceback" not in err
     assert bench.main(["serve", "--url", f"http://127.0.0.1:{port}", "--model", "m"]) == 1
     assert "warm-up request" in capsys.readouterr().err
+
+
+def test_spec_decode_figures_from_two_metrics_scrapes():
+    """bench serve reports speculative decoding (vLLM's figures) from the server's counters before and after."""
+    from ernie_jax.serve_bench import parse_spec_counters, spec_decode_metrics
+
+    def scrape(drafts, accepted, per_pos):
+        return parse_spec_counters(
+            f'ernie_jax:spec_decode_num_drafts_total{{model_name="m"}} {drafts}\n'
+            f'ernie_jax:spec_decode_num_draft_tokens_total{{model_name="m"}} {2 * drafts}\n'
+            f'ernie_jax:spec_decode_num_accepted_tokens_total{{model_name="m"}} {accepted}\n' +
+            "".join(f'ernie_jax:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{i}"}} {n}\n'
+                    for i, n in enumerate(per_pos)))
+    spec = spec_decode_metrics(scrape(10, 5, [4, 1]), scrape(30, 35, [24, 11]))
+    assert spec["drafts"] == 20 and spec["accepted_tokens"] == 30 and spec["acceptance_rate"] == 0.75
+    assert spec["acceptance_length"] == 2.5 and spec["per_position"] == [1.0, 0.5]
+    assert parse_spec_counters("ernie_jax:num_requests_running 1\n") is None

@@ -318,3 +318,20 @@ def test_fused_layout_moves_whole_fp8_scale_blocks_and_back():
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     eight = ShardingPlan.create(make_mesh(8))
     assert fused_groups(eight, cfg, "qkv", host["segments"][0]["qkv"]) == 1
+
+
+def test_plan_cli_compiles_the_speculative_programs(capsys):
+    """With --speculative-config the plan compiles the MTP programs the engine serves: the decode step verifies
+    k drafts (k + 1 tokens per sequence) and the pool holds the MTP block's KV (one layer more per token)."""
+    from ernie_jax.plan import main
+    common = ["--model", "tiny", "--mesh", "4", "--max-num-seqs", "4", "--max-model-len", "128", "--json"]
+    reports = []
+    for extra in ([], ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}']):
+        assert main(common + extra) == 0
+        import json
+        reports.append(json.loads(capsys.readouterr().out))
+    plain, spec = reports
+    L = ErnieConfig.preset("tiny").num_hidden_layers
+    assert spec["speculative_tokens"] == 2 and spec["decode"]["tokens"] == 3
+    assert spec["decode"]["kv_bytes_per_token"] == plain["decode"]["kv_bytes_per_token"] * (L + 1) / L
+    assert spec["decode"]["flops"] > 2 * plain["decode"]["flops"] > 0

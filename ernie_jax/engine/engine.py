@@ -26,6 +26,7 @@ from ernie_jax.engine.pages import PagePool
 from ernie_jax.engine.policy import PDPolicy
 from ernie_jax.engine.programs import ModelPrograms, PageTransfer, buckets, decode_buckets, min_decode_rows, prefill_shapes
 from ernie_jax.engine.request import Request, RequestError, RequestMetrics
+from ernie_jax.engine.speculative import SpecDecodeStats, SpeculativeConfig
 from ernie_jax.model.ernie import ErnieForCausalLM
 from ernie_jax.ops.base import FALLBACKS
 from ernie_jax.sampling import SamplingParams
@@ -54,7 +55,7 @@ class Engine:
                  enable_prefix_caching: bool = True, prefill_chunk: int = 512, kv_cache_dtype: str = "auto",
                  eos_token_ids: frozenset[int] = frozenset(), tokenizer=None, seed: int = 0,
                  batch_invariant: bool = False, background_compile: bool = False,
-                 pd_policy: str | PDPolicy = "dynamic"):
+                 pd_policy: str | PDPolicy = "dynamic", speculative_config=None):
         """model: the decode-side model (placed on its mesh). prefill_model: the same weights on a disjoint
         mesh for disaggregated prefill, or None to prefill with `model` (colocated).
         num_pages: pages per pool (vLLM's num_gpu_blocks_override), else sized from device memory
@@ -66,11 +67,20 @@ class Engine:
         differently alone and in a batch.
         background_compile: return once the largest bucket of each program compiled; the others compile
         in the background (a server is up sooner; small batches run padded until their bucket is ready).
-        pd_policy: disaggregated only: "static" (fixed roles), "dynamic" (role switching) or a PDPolicy."""
+        pd_policy: disaggregated only: "static" (fixed roles), "dynamic" (role switching) or a PDPolicy.
+        speculative_config: MTP speculative decoding ({"method": "mtp", "num_speculative_tokens": k}, a JSON
+        string or a SpeculativeConfig; engine/speculative.py), or None."""
         if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         self.policy = pd_policy if isinstance(pd_policy, PDPolicy) else PDPolicy(pd_policy)
         self.cfg = model.config
+        self.speculative = SpeculativeConfig.parse(speculative_config)
+        k = self.speculative.num_speculative_tokens if self.speculative else 0
+        if k and model.mtp is None:
+            raise ValueError(f"speculative_config method {self.speculative.method!r} needs the model's MTP block "
+                             "(num_nextn_predict_layers = 1 and its ernie.mtp_block.0.* weights); this model has "
+                             "none")
+        self.spec_stats = SpecDecodeStats(k)
         self.max_num_seqs, self.max_model_len, self.page_size = max_num_seqs, max_model_len, page_size
         self.max_pages = -(-max_model_len // page_size)
         self.prefill_chunk = min(prefill_chunk, self.max_pages * page_size)
@@ -79,7 +89,11 @@ class Engine:
         chunks = buckets(self.prefill_chunk, 16)
         batches = decode_buckets(max_num_seqs, min_decode_rows(model), batch_invariant)
         prefills = prefill_shapes(chunks, prefill_chunk, 1 if batch_invariant else max_num_seqs)
-        pool = dict(num_pages=num_pages, page_size=page_size, max_pages_per_seq=self.max_pages,
+        # A speculative step writes past a sequence's last token: the k drafts, the MTP block's chained drafts,
+        # and, after a step still in flight, up to k + 1 tokens more. Slots past the pages a request holds go
+        # to the null page through the table's padding, so the tables (and the rotary table) are that much wider.
+        table_pages = -(-(max_model_len + 4 * k + 1) // page_size) if k else self.max_pages
+        pool = dict(num_pages=num_pages, page_size=page_size, max_pages_per_seq=table_pages, speculative_tokens=k,
                     kv_cache_dtype=kv_cache_dtype, batch_invariant=batch_invariant,
                     memory_utilization=gpu_memory_utilization,
                     pages_without_memory_limit=max_num_seqs * self.max_pages + 1)

@@ -44,6 +44,8 @@ class Dispatched(NamedTuple):
     result: Any  # sample()'s (tokens, logprobs, top ids, top logprobs), or None for a chunk mid-prompt
     t0: float  # dispatch time
     counts: Any  # tokens per expert per MoE layer
+    drafts: Any = None  # speculative decoding: the MTP block's next drafts [B,k]
+    inputs: Any = None  # speculative decoding: its (positions [B,k+1], sampling steps [B]) on the device
 
 
 class StepRecord(NamedTuple):
@@ -72,7 +74,9 @@ class Instance:
         """host: the Engine (shared queue and lock, request rules: stop conditions, finishing)."""
         self.name, self.home, self.programs, self.host, self.policy = name, home, programs, host, policy
         self.pool = PagePool(programs.num_pages, programs.page_size, enable_caching=enable_prefix_caching, salt=salt)
-        self.scheduler = Scheduler(self.pool, waiting, max_num_seqs=host.max_num_seqs, max_pages=programs.max_pages)
+        self.k = programs.k  # speculative tokens per step (0: none)
+        self.scheduler = Scheduler(self.pool, waiting, max_num_seqs=host.max_num_seqs, max_pages=host.max_pages,
+                                   lookahead=self.k)
         self.peer: Instance | None = None
         self.transfer: PageTransfer | None = None  # to the peer, when this instance hands over
         self.inbox: list[Handoff] = []  # requests handed to this instance (under host.lock)
@@ -219,7 +223,7 @@ class Instance:
 
     def _make_room(self, touched: list[Request]) -> None:
         """Pages for the running batch's next step, preempting if the pool is short."""
-        lag = 0 if self._ahead is None else 1  # tokens in flight per running request
+        lag = 0 if self._ahead is None else self.k + 1  # tokens in flight per running request (at most)
         if self.scheduler.shortfall(lag) > 0 and self._ahead is not None:
             # A preemption changes the batch: the step in flight's tokens are needed on the host first.
             self._read([self._ahead], touched)
@@ -279,11 +283,11 @@ class Instance:
             self._read([ahead], touched)
             ahead = None
         if self.running:
-            step = self._dispatch_decode(ahead)
-            if any(r.params.uses_penalties for r in step.reqs):
-                pending.append(step)  # penalties count every output token: the host needs this one first
-            else:
+            step = self._dispatch_verify(ahead) if self.k else self._dispatch_decode(ahead)
+            if self._chains(step):
                 self._ahead = step  # read by the next step, while the device runs the one after it
+            else:
+                pending.append(step)
         if ahead is not None:
             pending.insert(0, ahead)
         return pending, scored
@@ -307,6 +311,12 @@ class Instance:
             logits, c, scores = self.programs.run_scored(ids, positions, last, tables, padded)
             scored.append((req, start, targets, scores))
             sampled = None
+        elif self.k:  # the MTP block drafts after each chunk; it needs the token after the chunk
+            following = np.full(B, -1, np.int32)  # -1: the chunk ends its prompt (the sampled token follows)
+            for i, (req, start, chunk) in enumerate(rows):
+                if start + len(chunk) < len(req.prefill_ids):
+                    following[i] = req.prefill_ids[start + len(chunk)]
+            logits, c, sampled, drafts = self.programs.run("prefill", ids, positions, last, tables, arrays, following)
         else:
             logits, c, sampled = self.programs.run("prefill", ids, positions, last, tables, arrays)
         done = []  # rows whose prompt is now complete get their next token
@@ -317,7 +327,7 @@ class Instance:
             return Dispatched("prefill", [], None, t0, c)
         result = sampled if sampled is not None and plain_sampling(arrays, nlp) else \
             self.programs.sample(logits, arrays, nlp)
-        return Dispatched("prefill", done, result, t0, c)
+        return Dispatched("prefill", done, result, t0, c, drafts if self.k and sampled is not None else None)
 
     def _dispatch_decode(self, ahead: Dispatched | None) -> Dispatched:
         reqs = list(self.running)
@@ -338,13 +348,50 @@ class Instance:
         result = sampled if plain_sampling(arrays, nlp) else self.programs.sample(logits, arrays, nlp)
         return Dispatched("decode", reqs, result, t0, c)
 
+    def _chains(self, step: Dispatched) -> bool:
+        """Whether the next decode step may take `step`'s tokens on the device, unread: not when a row's
+        sampler needs every previous token on the host (penalties; with speculation, any row that does not
+        `speculate`, whose token the host sampler draws)."""
+        if self.k:
+            return step.result[1] is None
+        return not any(r.params.uses_penalties for r in step.reqs)
+
+    def _dispatch_verify(self, ahead: Dispatched | None) -> Dispatched:
+        """A speculative decode step: each running request's last token and its k drafts (engine/speculative.py).
+        After a step still in flight (`ahead`, the same batch), its inputs are computed on the device from
+        that step's tokens, accepted counts and drafts (programs.chain_verify)."""
+        reqs, k = list(self.running), self.k
+        B = self.programs.bucket("decode", len(reqs))
+        pad = B - len(reqs)
+        arrays, nlp = self.host.sampling_arrays(reqs, B)
+        if ahead is None:
+            ids = np.zeros((B, k + 1), np.int32)
+            positions = np.zeros((B, k + 1), np.int32)
+            for i, r in enumerate(reqs):
+                ids[i] = [r.output_ids[-1]] + (r.drafts or [0] * k)  # no drafts (a scored prefill): rejected
+                positions[i] = r.num_tokens - 1 + np.arange(k + 1)
+        else:
+            ids, positions, arrays["steps"] = self.programs.chain_verify(ahead)
+        positions, arrays["steps"] = self.programs.put((positions, arrays["steps"]))
+        tables = np.stack([self._table(r.pages) for r in reqs] + [self._table([])] * pad)
+        last = np.asarray([k] * len(reqs) + [-1] * pad, np.int32)  # -1: a padding row, no real token
+        speculating = [r.speculates for r in reqs]
+        max_accept = np.asarray([k if s else 0 for s in speculating] + [0] * pad, np.int32)
+        t0 = time.perf_counter()
+        logits, c, verified, drafts = self.programs.run("decode", ids, positions, last, tables, arrays, max_accept)
+        # rows that take one plain token (not speculating) draw it, with its logprobs, from the host's sampler
+        fallback = None if all(speculating) else self.programs.sample(logits, arrays, nlp)
+        return Dispatched("verify", reqs, (verified, fallback, speculating), t0, c, drafts,
+                          (positions, arrays["steps"]))
+
     def _continues(self, step: Dispatched) -> bool:
         """Whether the next decode step can take `step`'s sampled tokens as they are on the device: the same
         requests in the same order, at the same batch size, and not all of them ending by length with those
         tokens (a step chained after them would be wasted device time)."""
         reqs = step.reqs
+        rows = (step.drafts if step.kind == "verify" else step.result[0]).shape[0]
         return (len(reqs) == len(self.running) and all(a is b for a, b in zip(reqs, self.running))
-                and step.result[0].shape[0] == self.programs.bucket("decode", len(reqs))
+                and rows == self.programs.bucket("decode", len(reqs))
                 and not all(self.host.done_by_length(r, len(r.output_ids) + 1) for r in reqs))
 
     # ---- results --------------------------------------------------------------------------------------------
@@ -352,17 +399,45 @@ class Instance:
         """Wait for dispatched steps and append their tokens (in dispatch order)."""
         for req, start, targets, scores in scored:
             self.host.add_prompt_logprobs(req, start, targets, jax.device_get(scores))
-        for kind, reqs, result, t0, counts in pending:  # every program is in flight before any is read
+        for kind, reqs, result, t0, counts, drafts, _ in pending:  # every program is in flight before any is read
             self.expert_tokens += jax.device_get(counts)
+            if kind == "verify":
+                self._read_verified(reqs, result, drafts, t0, touched)
+                continue
             if result is not None:
                 tokens, lps, top_ids, top_lps = jax.device_get(result)
             self.busy_seconds[kind] += time.perf_counter() - t0
             self.steps[kind] += 1
             if result is None:  # a prefill chunk mid-prompt
                 continue
+            drafts = None if drafts is None else jax.device_get(drafts)
             for i, req in enumerate(reqs):
                 if req is not None:  # None: a prefill row mid-prompt
+                    if drafts is not None:
+                        req.drafts = drafts[i].tolist()
                     self._deliver(kind, req, int(tokens[i]), lps[i], top_ids[i], top_lps[i], touched)
+
+    def _read_verified(self, reqs, result, drafts, t0, touched: list[Request]) -> None:
+        """A speculative decode step's tokens: each row's accepted drafts and the token after them, appended
+        one by one (a stop inside the run ends the request there); its next drafts kept for the next step."""
+        (tokens, accepted), fallback, speculating = result
+        tokens, accepted, fallback, drafts = jax.device_get((tokens, accepted, fallback, drafts))
+        self.busy_seconds["decode"] += time.perf_counter() - t0
+        self.steps["decode"] += 1
+        none = np.zeros(0)
+        for i, req in enumerate(reqs):
+            if req.finished or req not in self.running:  # aborted, preempted or handed over meanwhile
+                continue
+            req.drafts = drafts[i].tolist()
+            if not speculating[i]:
+                tok, lps, top_ids, top_lps = (a[i] for a in fallback)
+                self._deliver("decode", req, int(tok), lps, top_ids, top_lps, touched)
+                continue
+            self.host.spec_stats.observe(int(accepted[i]))
+            for token in tokens[i, :int(accepted[i]) + 1]:
+                self._deliver("decode", req, int(token), 0.0, none, none, touched)
+                if req.finished:
+                    break
 
     def _deliver(self, kind: str, req: Request, token: int, logprob, top_ids, top_lps, touched: list) -> None:
         """A step's token for req, unless it was aborted, preempted or handed over meanwhile."""
@@ -372,4 +447,5 @@ class Instance:
             self.scheduler.prompt_done(req)
             req.prefilled_on = req.decoded_on = self.name
         self.host.append(req, token, logprob, top_ids, top_lps, self)
-        touched.append(req)
+        if not touched or touched[-1] is not req:
+            touched.append(req)

@@ -29,12 +29,12 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from ernie_jax.model.ernie import ErnieForCausalLM
-from ernie_jax.model.forward import forward, rope_cache
+from ernie_jax.model.forward import forward, mtp_draft, rope_cache
 from ernie_jax.model.kv_cache import KV_CACHE_DTYPES, KVCache
 from ernie_jax.model.weights import QUANTIZABLE, cpu_layout
 from ernie_jax.ops.paged_attention.storage import pool_dtype
 from ernie_jax.quant import BlockFP8
-from ernie_jax.sampling import MAX_LOGPROBS, sample
+from ernie_jax.sampling import MAX_LOGPROBS, sample, speculative_verify
 
 log = logging.getLogger("ernie_jax.engine")
 
@@ -53,6 +53,45 @@ def _step(weights, input_ids, positions, cache, logit_positions, block_tables, s
 
 
 SAMPLING_ARGS = ("temperature", "top_p", "top_k", "seeds", "steps")  # _step's sampling arrays, in order
+
+
+def _spec_prefill_step(weights, input_ids, positions, cache, logit_positions, block_tables, next_tokens, sampling,
+                       *, cfg, plan, ex, batch_invariant, k):
+    """_step that also runs the MTP block over the chunk (writing its KV) and drafts k tokens after each
+    row's last real token. next_tokens [B]: the prompt token after the chunk, or -1 when the chunk ends the
+    prompt (then it is the token sampled here). -> _step's outputs and drafts [B,k]."""
+    out = forward(weights, cfg, input_ids, positions, cache, logit_positions, plan, block_tables, batch_invariant, ex)
+    counts = _expert_counts(out.expert_ids, logit_positions, input_ids.shape, cfg)
+    sampled = sample(out.logits, *sampling)
+    B = input_ids.shape[0]
+    last = jnp.maximum(logit_positions, 0)
+    following = jnp.where(next_tokens >= 0, next_tokens, sampled[0])
+    next_ids = jnp.concatenate([input_ids[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
+    next_ids = next_ids.at[jnp.arange(B), last].set(following)  # x_{t+1} for every position t of the chunk
+    drafts, cache = mtp_draft(weights, cfg, next_ids, out.hidden, positions, out.cache, block_tables, last, k, plan, ex)
+    return out.logits, cache, counts, sampled, drafts
+
+
+@jax.jit
+def _chain_verify(tokens, accepted, drafts, positions, steps):
+    last = jnp.take_along_axis(tokens, accepted[:, None], axis=1)
+    return jnp.concatenate([last, drafts], axis=1), positions + accepted[:, None] + 1, steps + accepted + 1
+
+
+def _verify_step(weights, input_ids, positions, cache, logit_positions, block_tables, max_accept, sampling, *, cfg,
+                 plan, ex, batch_invariant, k):
+    """One speculative decode step: input_ids [B,k+1] = (each row's last token, its k drafts) at positions
+    [B,k+1]. The target scores all k+1 (writing their KV; a rejected draft's slots are rewritten by the next
+    step before any query reads them), sampling.speculative_verify accepts a prefix of the drafts, and the
+    MTP block reads (emitted token, target state) at each position and drafts the next k after the last
+    accepted one. logit_positions [B]: k for real rows, -1 for padding. -> (logits [B,V] after the last
+    token, cache, counts, (tokens [B,k+1], accepted [B]), drafts [B,k])."""
+    out = forward(weights, cfg, input_ids, positions, cache, None, plan, block_tables, batch_invariant, ex)
+    counts = _expert_counts(out.expert_ids, logit_positions, input_ids.shape, cfg)
+    tokens, accepted = speculative_verify(out.logits, input_ids[:, 1:], *sampling, max_accept)
+    drafts, cache = mtp_draft(weights, cfg, tokens, out.hidden, positions, out.cache, block_tables, accepted, k, plan,
+                              ex)
+    return out.logits[:, 0], cache, counts, (tokens, accepted), drafts
 
 
 def plain_sampling(arrays: dict[str, Any], num_logprobs: int) -> bool:
@@ -91,16 +130,18 @@ def platform(model: ErnieForCausalLM) -> str:
 
 
 def min_decode_rows(model: ErnieForCausalLM) -> int:
-    """2 on CPU for a model with plain bf16 linears, else 1. XLA:CPU runs a one-row bf16 matmul (a
-    matrix-vector product) through a fallback that converts the weight to f32 on every call (a decode step
-    of the bench model took 280 ms for one sequence, 26 ms for two), so there a lone sequence decodes
-    beside a padding row. Block-FP8 and f32 linears do not take that fallback."""
+    """2 on CPU for a model with a plain bf16 matmul (a linear, or the LM head: the tied embedding of an FP8
+    release is bf16), else 1. XLA:CPU runs a one-row bf16 matmul (a matrix-vector product) through a fallback
+    that converts the weight to f32 on every call (a decode step of the bench model took 280 ms for one
+    sequence, 26 ms for two), so there a lone sequence decodes beside a padding row. Block-FP8 and f32
+    linears do not take that fallback."""
     if platform(model) != "cpu":
         return 1
-    layers = model.weights()["segments"]
-    plain_bf16 = [a for seg in layers for name, a in seg.items()
+    w = model.weights()
+    head = w["lm_head"] if w.get("lm_head") is not None else w["embed"]
+    plain_bf16 = [a for seg in w["segments"] for name, a in seg.items()
                   if name in QUANTIZABLE and not isinstance(a, BlockFP8) and a.dtype == jnp.bfloat16]
-    return 2 if plain_bf16 else 1
+    return 2 if plain_bf16 or head.dtype == jnp.bfloat16 else 1
 
 
 def cpu_expert_groups(num_experts: int) -> int:
@@ -155,15 +196,23 @@ def compile_all(jobs: dict[Any, Callable[[], Any]], on_done: Callable[[Any, Any,
             on_done(futures[f], *f.result())
 
 
+STEP_KINDS = ("step", "score", "spec_prefill", "verify")
+
+
 def step_program(cfg, plan, ex, weight_shardings, cache_shardings, replicated, batch_invariant: bool = False,
-                 score: bool = False):
-    """The jitted step (_step, or _score_step when `score`) with explicit shardings and the cache donated:
-    what every ModelPrograms bucket compiles, and what `python -m ernie_jax.plan` compiles from shapes."""
+                 kind: str = "step", k: int = 0):
+    """The jitted step with explicit shardings and the cache donated: what every ModelPrograms bucket
+    compiles, and what `python -m ernie_jax.plan` compiles from shapes. kind: "step" (_step), "score"
+    (_score_step), "spec_prefill" / "verify" (speculative decoding with k MTP drafts)."""
     static = dict(cfg=cfg, plan=plan, ex=ex, batch_invariant=batch_invariant)
-    fn = functools.partial(_score_step, **static, num_top=MAX_LOGPROBS) if score else functools.partial(_step, **static)
-    rep = replicated
-    return jax.jit(fn, donate_argnums=(3,), in_shardings=(weight_shardings, rep, rep, cache_shardings, rep, rep, rep),
-                   out_shardings=(rep, cache_shardings, rep, rep))
+    fn = {"step": functools.partial(_step, **static),
+          "score": functools.partial(_score_step, **static, num_top=MAX_LOGPROBS),
+          "spec_prefill": functools.partial(_spec_prefill_step, **static, k=k),
+          "verify": functools.partial(_verify_step, **static, k=k)}[kind]
+    rep, spec = replicated, kind in ("spec_prefill", "verify")
+    return jax.jit(fn, donate_argnums=(3,),
+                   in_shardings=(weight_shardings, rep, rep, cache_shardings, rep, rep, rep) + ((rep,) if spec else ()),
+                   out_shardings=(rep, cache_shardings, rep, rep) + ((rep,) if spec else ()))
 
 
 def lower_step(jitted, weights, cache, replicated, B: int, T: int, max_pages: int, extra: tuple = (),
@@ -192,15 +241,19 @@ class ModelPrograms:
     def __init__(self, model: ErnieForCausalLM, *, num_pages: int | None, page_size: int, max_pages_per_seq: int,
                  kv_cache_dtype: str, prefill_buckets: list[tuple[int, int]], decode_buckets: list[int], name: str,
                  batch_invariant: bool = False, memory_utilization: float | None = None,
-                 pages_without_memory_limit: int = 0, score_buckets: tuple[int, ...] = ()):
+                 pages_without_memory_limit: int = 0, score_buckets: tuple[int, ...] = (),
+                 speculative_tokens: int = 0):
         """prefill_buckets: (B, T) shapes, with (1, T) for every chunk length T; decode_buckets: batch sizes.
         num_pages: the pool's pages (the null page included), or None to size it from device memory:
         memory_utilization (default 0.9, vLLM's) of each device's memory minus what is resident, or, where
         the platform reports no memory limit, pages_without_memory_limit (and memory_utilization must not be
         given). `pool_sizing` says which rule sized the pool.
         score_buckets: chunk lengths whose prompt-scoring prefill compiles with the other buckets (a
-        server's, in the background); any other length compiles on first use."""
+        server's, in the background); any other length compiles on first use.
+        speculative_tokens: k > 0 for MTP speculative decoding: the pool holds the MTP block's KV too,
+        prefill programs also draft k tokens, decode programs verify k drafts (T = k + 1) and draft again."""
         self.cfg, self.plan, self.name, self.execution = model.config, model.plan, name, model.execution
+        self.k = speculative_tokens
         self.weights = model.weights()
         if platform(model) == "cpu":
             groups = cpu_expert_groups(self.cfg.moe_num_experts) if self.plan is None else 1
@@ -221,7 +274,7 @@ class ModelPrograms:
             self.pool_sizing = "--num-gpu-blocks-override"
         else:
             n = 64  # pages of a probe pool (a multiple of any data-axis split of the pages)
-            probe = jax.eval_shape(lambda: KVCache.create(self.cfg, n, page_size, dtype))
+            probe = jax.eval_shape(lambda: KVCache.create(self.cfg, n, page_size, dtype, self.k > 0))
             page_bytes = sum(np.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
                              for a, s in zip(jax.tree.leaves(probe), jax.tree.leaves(shardings(probe)))) / n
             num_pages = pages_in_memory(self.devices, int(np.ceil(page_bytes)), memory_utilization or 0.9)
@@ -234,19 +287,26 @@ class ModelPrograms:
                 num_pages = pages_without_memory_limit
                 self.pool_sizing = "max_num_seqs x max_model_len (the devices report no memory limit)"
         self.num_pages = num_pages
-        self._new_cache = lambda: KVCache.create(self.cfg, num_pages, page_size, dtype)
+        self._new_cache = lambda: KVCache.create(self.cfg, num_pages, page_size, dtype, self.k > 0)
         self.cache_shardings = shardings(jax.eval_shape(self._new_cache))
         self.cache = jax.device_put(self._new_cache(), self.cache_shardings)
         self.report: list[tuple[str, int, float]] = []
         w_shardings = jax.tree.map(lambda a: a.sharding, self.weights)
         build = functools.partial(step_program, self.cfg, self.plan, self.execution, w_shardings,
                                   self.cache_shardings, self.replicated, batch_invariant)
-        self._jit, self._score_jit = build(), build(score=True)
+        if self.k:
+            self._jit, self._verify_jit = build(kind="spec_prefill", k=self.k), build(kind="verify", k=self.k)
+        else:
+            self._jit = self._verify_jit = build()
+        self._score_jit = build(kind="score")
         self._score: dict[int, Any] = {}  # scoring prefill per chunk length, compiled on first use
         self._programs: dict[tuple[str, int], Any] = {}
         self.ready: dict[str, list] = {"prefill": [], "decode": []}  # compiled buckets, ascending
-        lowered = {("prefill", (B, T)): self._lower(self._jit, B, T, sampling=True) for B, T in prefill_buckets}
-        lowered.update({("decode", B): self._lower(self._jit, B, 1, sampling=True) for B in decode_buckets})
+        extra = lambda B: ((B,),) if self.k else ()  # noqa: E731 -- next_tokens / max_accept
+        lowered = {("prefill", (B, T)): self._lower(self._jit, B, T, extra(B), sampling=True)
+                   for B, T in prefill_buckets}
+        lowered.update({("decode", B): self._lower(self._verify_jit, B, self.k + 1, extra(B), sampling=True)
+                        for B in decode_buckets})
         lowered.update({("score", T): self._lower(self._score_jit, 1, T, extra=((1, T),)) for T in score_buckets})
 
         def job(key):
@@ -309,17 +369,19 @@ class ModelPrograms:
         """Explicit host -> device copy onto this mesh (replicated); a pytree goes in one call."""
         return jax.device_put(x, self.replicated)
 
-    def run(self, kind: str, ids, positions, logit_positions, block_tables, arrays: dict[str, Any]):
+    def run(self, kind: str, ids, positions, logit_positions, block_tables, arrays: dict[str, Any], extra=None):
         """One prefill chunk or decode step, sampling the logits with `arrays` (Engine._sampling_arrays) as
-        _step does; returns (logits, expert token counts, sampled), all on device."""
+        _step does; returns (logits, expert token counts, sampled), all on device, and with speculative
+        decoding the drafts [B,k] too. extra [B]: the speculative programs' next_tokens / max_accept."""
         B, T = ids.shape
         fn = self._programs[kind, (B, T) if kind == "prefill" else B]
         sampling = tuple(arrays[name] for name in SAMPLING_ARGS)
-        ids, positions, logit_positions, block_tables, sampling = self.put(
-            (ids, positions, logit_positions, block_tables, sampling))
-        logits, self.cache, counts, sampled = fn(self.weights, ids, positions, self.cache, logit_positions,
-                                                 block_tables, sampling)
-        return logits, counts, sampled
+        extra = () if extra is None else (extra,)
+        ids, positions, logit_positions, block_tables, extra, sampling = self.put(
+            (ids, positions, logit_positions, block_tables, extra, sampling))
+        logits, self.cache, counts, sampled, *drafts = fn(self.weights, ids, positions, self.cache, logit_positions,
+                                                          block_tables, *extra, sampling)
+        return (logits, counts, sampled, *drafts)
 
     def run_scored(self, ids, positions, logit_positions, block_tables, targets):
         """A prefill chunk that also returns prompt logprobs: (logits, counts, (target_lp [1,T],
@@ -335,6 +397,14 @@ class ModelPrograms:
         logits, self.cache, counts, scores = self._score[T](self.weights, ids, positions, self.cache,
                                                             logit_positions, block_tables, targets)
         return logits, counts, scores
+
+    def chain_verify(self, step):
+        """The inputs of the verify step after `step` (a Dispatched verify step of the same batch, not read):
+        (ids [B,k+1]: each row's token at its accepted index, then its new drafts; positions and sampling
+        steps moved past the tokens it emitted), all computed on the device."""
+        (tokens, accepted), _, _ = step.result
+        positions, steps = step.inputs
+        return _chain_verify(tokens, accepted, step.drafts, positions, steps)
 
     def sample(self, logits, arrays: dict[str, Any], num_logprobs: int):
         args = self.put(arrays)  # None entries stay None

@@ -56,6 +56,7 @@ class Request:
     stop_reason: int | str | None = None
     text: str | None = None  # with a tokenizer: the detokenized output (cut before a stop string)
     detokenizer: Any = None  # IncrementalDetokenizer when the engine has a tokenizer
+    drafts: list[int] | None = None  # speculative decoding: the MTP block's drafts for its next step
 
     @property
     def finished(self) -> bool:
@@ -69,6 +70,14 @@ class Request:
     def scores_prompt(self) -> bool:
         """Whether its prefill returns prompt logprobs (every position's logits: the cache is bypassed)."""
         return self.params.prompt_logprobs is not None and not self.output_ids
+
+    @property
+    def speculates(self) -> bool:
+        """Whether its next decode step may accept drafts: its sampler needs nothing but temperature, top-p
+        and top-k (penalties, logit_bias and min_tokens need every previous token on the host; logprobs and
+        min-p are computed by the host-side sampler)."""
+        p = self.params
+        return not (p.uses_penalties or p.logprobs is not None or p.min_p or len(self.output_ids) < p.min_tokens)
 
     def done_by_length(self, n_out: int, max_model_len: int) -> bool:
         """Whether n_out output tokens end it by length (max_tokens or max_model_len)."""

@@ -32,12 +32,15 @@ from ernie_jax.engine.request import Request
 
 class Scheduler:
     def __init__(self, pool: PagePool, waiting: list[Request], *, max_num_seqs: int, max_pages: int,
-                 max_bypass: int = 16, watermark: float = 0.01):
+                 max_bypass: int = 16, watermark: float = 0.01, lookahead: int = 0):
         """pool: this instance's pool; waiting: the queue every instance of the engine admits from.
         watermark: the fraction of the pool an admission leaves free for running requests' growth (vLLM's
-        watermark), so a new prompt does not take the page a running stream needs next step."""
+        watermark), so a new prompt does not take the page a running stream needs next step.
+        lookahead: tokens past its last one whose KV a decode step writes and may keep (speculative decoding:
+        the k drafts)."""
         self.pool = pool
         self.max_num_seqs, self.max_pages, self.max_bypass = max_num_seqs, max_pages, max_bypass
+        self.lookahead = lookahead
         self.reserve = max(1, int(watermark * pool.capacity))
         self.waiting = waiting
         self.prefilling: list[Request] = []
@@ -140,7 +143,7 @@ class Scheduler:
     # ---- page growth and preemption -------------------------------------------------------------------------
     def _decode_need(self, req: Request, lag: int) -> int:
         """Pages req needs beyond those it holds to write its next token's KV (lag: tokens in flight)."""
-        return max(0, min(self.pool.pages_for(req.num_tokens + lag), self.max_pages) - len(req.pages))
+        return max(0, min(self.pool.pages_for(req.num_tokens + lag + self.lookahead), self.max_pages) - len(req.pages))
 
     def shortfall(self, lag: int) -> int:
         """Pages the running batch lacks for its next step, beyond the free ones."""

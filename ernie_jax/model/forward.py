@@ -156,8 +156,24 @@ def forward(weights: dict[str, Any], cfg: ErnieConfig, input_ids: jax.Array, pos
     hidden = rms_norm(h, weights["final_norm"], cfg.rms_norm_eps)
     head_in = hidden if logit_positions is None else hidden[jnp.arange(B), logit_positions]
     logits = lm_head(weights, head_in)
+    if cache is not None:  # segments past the decoder's (the MTP block's) pass through
+        new_segments += [cache.segment(s) for s in range(len(new_segments), cache.num_segments)]
     new_cache = None if cache is None else kvc.KVCache.from_segments(new_segments)
     return ForwardOutput(logits, hidden, new_cache, tuple(expert_ids))
+
+
+def _mtp_states(weights, cfg: ErnieConfig, next_ids, hidden, positions, seg_cache=None, block_tables=None,
+                plan: ShardingPlan | None = None, ex: ExecutionConfig = REFERENCE):
+    """The MTP block up to the shared final norm (spec section 5.1): final_norm(DecoderLayer(proj([norm(e) ;
+    norm(h)]))) [B,T,H], and its segment of a paged cache with these positions' KV written (or None)."""
+    m = weights["mtp"]
+    e = weights["embed"][next_ids].astype(hidden.dtype)
+    z = jnp.concatenate([rms_norm(e, m["emb_norm"], cfg.rms_norm_eps),
+                         rms_norm(hidden, m["hidden_norm"], cfg.rms_norm_eps)], axis=-1)
+    u = linear(z, m["proj"], ex)
+    u, seg_cache, _ = decoder_layer(u, m["layer"], "dense", cfg, positions, seg_cache,
+                                    None if seg_cache is None else jnp.int32(0), block_tables, plan=plan, ex=ex)
+    return rms_norm(u, weights["final_norm"], cfg.rms_norm_eps), seg_cache
 
 
 def mtp_forward(weights: dict[str, Any], cfg: ErnieConfig, next_ids: jax.Array, hidden: jax.Array,
@@ -169,13 +185,33 @@ def mtp_forward(weights: dict[str, Any], cfg: ErnieConfig, next_ids: jax.Array, 
     positions [B,T] the positions t. The block attends causally over these T inputs (no cache).
     `plan`: the plan the weights were placed by (None: unsharded).
     """
-    m = weights["mtp"]
-    e = weights["embed"][next_ids].astype(hidden.dtype)
-    z = jnp.concatenate([rms_norm(e, m["emb_norm"], cfg.rms_norm_eps),
-                         rms_norm(hidden, m["hidden_norm"], cfg.rms_norm_eps)], axis=-1)
-    u = linear(z, m["proj"], ex)
-    u, _, _ = decoder_layer(u, m["layer"], "dense", cfg, positions, plan=plan, ex=ex)
-    return lm_head(weights, rms_norm(u, weights["final_norm"], cfg.rms_norm_eps))
+    states, _ = _mtp_states(weights, cfg, next_ids, hidden, positions, plan=plan, ex=ex)
+    return lm_head(weights, states)
+
+
+def mtp_draft(weights: dict[str, Any], cfg: ErnieConfig, next_ids: jax.Array, hidden: jax.Array,
+              positions: jax.Array, cache: kvc.KVCache, block_tables: jax.Array, at: jax.Array, steps: int,
+              plan: ShardingPlan | None = None, ex: ExecutionConfig = REFERENCE
+              ) -> tuple[jax.Array, kvc.KVCache]:
+    """Draft tokens from the MTP block over the paged cache's last segment (KVCache.create(mtp=True)).
+
+    The block reads (x_{t+1}, h_t) for the T inputs [B,T] at positions [B,T], writing their MTP KV; at
+    index at[b] (the last accepted position) its argmax drafts the token after x_{t+1}. steps > 1 chains
+    the one layer on its own output (its normed state as h, the draft as x), one position further each
+    time, as vLLM runs DeepSeek's MTP for k > 1. Returns (drafts [B,steps] int32, cache)."""
+    B = next_ids.shape[0]
+    s = cache.num_segments - 1
+    rows = jnp.arange(B)
+    states, seg = _mtp_states(weights, cfg, next_ids, hidden, positions, cache.segment(s), block_tables, plan, ex)
+    state, position = states[rows, at][:, None], positions[rows, at][:, None]
+    drafts = []
+    for i in range(steps):
+        if i:
+            state, seg = _mtp_states(weights, cfg, drafts[-1][:, None], state, position, seg, block_tables, plan, ex)
+        drafts.append(jnp.argmax(lm_head(weights, state[:, 0]), axis=-1).astype(jnp.int32))
+        position = position + 1
+    segments = [cache.segment(i) for i in range(s)] + [seg]
+    return jnp.stack(drafts, axis=1), kvc.KVCache.from_segments(segments)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "plan", "ex"))

@@ -44,15 +44,22 @@ class KVCache:
     v_scale: list[jax.Array] | None = None
 
     @classmethod
-    def create(cls, cfg: ErnieConfig, num_pages: int, page_size: int, dtype=jnp.bfloat16) -> "KVCache":
-        segs = cfg.layer_segments()
+    def create(cls, cfg: ErnieConfig, num_pages: int, page_size: int, dtype=jnp.bfloat16, mtp: bool = False
+               ) -> "KVCache":
+        """mtp: one more segment, of one layer, after the decoder's: the MTP block's KV (speculative decoding),
+        in the same pages, so it moves, is freed and is cached with the sequence's."""
+        counts = [s.count for s in cfg.layer_segments()] + ([1] if mtp else [])
         shape = lambda n: (n, num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)  # noqa: E731
-        k = [jnp.zeros(shape(s.count), dtype) for s in segs]
-        v = [jnp.zeros(shape(s.count), dtype) for s in segs]
+        k = [jnp.zeros(shape(n), dtype) for n in counts]
+        v = [jnp.zeros(shape(n), dtype) for n in counts]
         if jnp.dtype(dtype) != jnp.dtype(FP8):
             return cls(k, v)
         ones = lambda n: jnp.ones(shape(n)[:-1], jnp.float32)  # noqa: E731
-        return cls(k, v, [ones(s.count) for s in segs], [ones(s.count) for s in segs])
+        return cls(k, v, [ones(n) for n in counts], [ones(n) for n in counts])
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.k)
 
     def shardings(self, plan) -> "KVCache":
         """NamedShardings for this cache under a ShardingPlan: KV heads over tensor (pages over data)."""

@@ -43,6 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--pd-tpot-target", type=float, default=None, metavar="SECONDS",
       help="dynamic: the prefill submesh decodes in place only while both submeshes' decode steps take "
            "at most this")
+    a("--speculative-config", default=None, metavar="JSON",
+      help='MTP speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 1}\' ("ernie_mtp" too; '
+           'k from 1 to 4; k > 1 chains the one MTP layer)')
     a("--sharding", default="tp_ep", choices=["tp_ep", "tp", "dp_attn_ep"])
     a("--max-model-len", type=int, default=None, help="prompt + output tokens (default: min(model's, 2048))")
     a("--background-compile", action=argparse.BooleanOptionalAction, default=True,
@@ -108,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     from ernie_jax.assets import EMBEDDED_MODEL_DIR
     from ernie_jax.engine.async_engine import AsyncEngine
     from ernie_jax.engine.policy import PDPolicy
+    from ernie_jax.engine.speculative import SpeculativeConfig
     from ernie_jax.llm import LLM
     from ernie_jax.serve.api import Server, create_app
     from ernie_jax.serve.metrics import ServerMetrics
@@ -123,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         policy = PDPolicy(args.pd_policy, ttft_target=args.pd_ttft_target, tpot_target=args.pd_tpot_target)
     except ValueError as e:
         raise SystemExit(f"--pd-policy / --pd-ttft-target / --pd-tpot-target: {e}") from None
+    try:
+        speculative = SpeculativeConfig.parse(args.speculative_config)
+    except ValueError as e:
+        raise SystemExit(f"--speculative-config: {e}") from None
     llm = LLM(model_dir, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
               mesh=args.mesh if n_devices > 1 else None, prefill_devices=args.prefill_devices,
@@ -131,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
               enable_prefix_caching=args.enable_prefix_caching, prefill_chunk=args.max_num_batched_tokens,
               compilation_cache_dir=args.compilation_cache_dir or None, batch_invariant=args.batch_invariant,
               background_compile=args.background_compile, kernels=args.kernels,
-              pd_policy=policy)
+              pd_policy=policy, speculative_config=speculative)
     if llm.tokenizer is None:
         raise SystemExit(f"{model_dir} has no tokenizer.model; the server needs one to render chats and text")
     _log_startup(llm, model_dir, args)
@@ -177,6 +185,9 @@ def _log_startup(llm, model_dir: str, args) -> None:
                  ids(engine.instance("prefill")), ids(engine.instance("decode")), platform, engine.policy.mode)
     else:
         log.info("colocated: prefill and decode on devices [%s] (%s)", ids(engine.instances[0]), platform)
+    if engine.speculative:
+        log.info("speculative decoding: %s, %d draft tokens per step from the model's MTP layer",
+                 engine.speculative.method, engine.speculative.num_speculative_tokens)
     report = engine.compile_report
     for op in report.ops:
         log.info("op %s: %s%s%s", op["op"], op["implementation"],

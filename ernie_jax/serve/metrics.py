@@ -121,6 +121,20 @@ class _EngineCollector:
             for program, n in inst.steps.items():
                 c.add_metric([name, inst.name, program], float(n))
         yield c
+        if e.speculative:  # vLLM's spec-decode counters
+            stats = e.spec_stats
+            for metric, value, doc in (
+                    ("num_drafts", stats.num_drafts, "Draft proposals verified (one per request per decode step)"),
+                    ("num_draft_tokens", stats.num_draft_tokens, "Draft tokens verified"),
+                    ("num_accepted_tokens", stats.num_accepted_tokens, "Draft tokens accepted")):
+                c = CounterMetricFamily(f"ernie_jax:spec_decode_{metric}", doc, labels=["model_name"])
+                c.add_metric([name], float(value))
+                yield c
+            c = CounterMetricFamily("ernie_jax:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at "
+                                    "each draft position", labels=["model_name", "position"])
+            for position, n in enumerate(stats.accepted_per_pos):
+                c.add_metric([name, str(position)], float(n))
+            yield c
         if e.disaggregated:
             transfer = e.instance("prefill").transfer
             c = CounterMetricFamily("ernie_jax:kv_transfer_seconds", "Time moving KV pages prefill -> decode",

@@ -56,7 +56,7 @@ def fused_groups(plan, cfg: ErnieConfig | None, leaf: str, w) -> int:
     key = (leaf, tuple(w.shape), t)
     if key not in _noted:
         _noted.add(key)
-        log.warning("%s %s on mesh %s keeps the checkpoint's fused layout (%s): XLA reshards its output before "
+        log.info("%s %s on mesh %s keeps the checkpoint's fused layout (%s): XLA reshards its output before "
                     "use", leaf, tuple(w.shape), dict(plan.mesh.shape), why)
     return 1
 

@@ -47,6 +47,8 @@ class SimConfig:
 class SimPrograms:
     """The bucket tables a real ModelPrograms would have compiled (what decides the shapes a step runs)."""
 
+    k = 0  # speculative tokens per decode step: the simulator models plain decoding
+
     def __init__(self, num_pages: int, cfg: SimConfig):
         self.num_pages, self.page_size = num_pages, cfg.page_size
         self.max_pages = -(-cfg.max_model_len // cfg.page_size)
@@ -70,6 +72,7 @@ class SimHost:
     def __init__(self, cfg: SimConfig):
         self.cfg, self.clock = cfg, 0.0
         self.max_num_seqs, self.prefill_chunk, self.max_model_len = cfg.max_num_seqs, cfg.prefill_chunk, cfg.max_model_len
+        self.max_pages = -(-cfg.max_model_len // cfg.page_size)
         self.lock = threading.RLock()
         self.events: list[tuple] = []  # (time, order, kind, what): the simulation's event queue
         self.order = itertools.count()
