@@ -1,7 +1,8 @@
 """Benchmarks: `python -m ernie_jax.bench offline ...` (the offline engine, optionally against HF) and
 `python -m ernie_jax.bench serve ...` (a running OpenAI-compatible server, like `vllm bench serve`; see
 ernie_jax/serve_bench.py and `serve --help`), `prefix` and `capacity` (KV memory: ernie_jax/kv_bench.py), `itl` (decode latency during a long prefill
-under PD: ernie_jax/pd_bench.py), `mtp` (MTP speculative decoding against plain: ernie_jax/mtp_bench.py).
+under PD: ernie_jax/pd_bench.py), `mtp` (MTP speculative decoding against plain: ernie_jax/mtp_bench.py),
+`eplb` (expert-parallel balancedness with redundant experts: ernie_jax/eplb_bench.py).
 
     python -m ernie_jax.bench offline --model bench-512 --num-prompts 16 --input-len 128 --output-len 128 \\
         [--compare-hf] [--mesh 8 --prefill-devices 4] [--dtype float32]
@@ -23,7 +24,7 @@ import time
 
 import numpy as np
 
-from ernie_jax import kv_bench, mtp_bench, pd_bench
+from ernie_jax import eplb_bench, kv_bench, mtp_bench, pd_bench
 
 
 def _percentiles(xs: list[float]) -> str:
@@ -150,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     kv_bench.add_parsers(sub)
     pd_bench.add_parsers(sub)
     mtp_bench.add_parsers(sub)
+    eplb_bench.add_parsers(sub)
     args = ap.parse_args(argv)
     if args.command != "offline":
         return args.run(args)

@@ -52,6 +52,9 @@ class LLM:
     self-check), "pallas" (force them; interpreted off GPUs) or "xla" (none); see ops/execution.py.
     speculative_config: MTP speculative decoding, vLLM's / FastDeploy's shape: {"method": "mtp" (or
     "ernie_mtp"), "num_speculative_tokens": k (1-4)}, a dict or its JSON (engine/speculative.py).
+    eplb_config: redundant experts re-placed from measured load, vLLM's keys: {"num_redundant_experts": R,
+    "window_size": W, "step_interval": S, "log_balancedness": bool} (engine/expert_balance.py); needs a mesh
+    that splits the experts.
     """
 
     def __init__(self, model: str | ErnieForCausalLM, *, dtype: str = "bfloat16", seed: int = 0,
@@ -62,7 +65,7 @@ class LLM:
                  enable_prefix_caching: bool = True, prefill_chunk: int = 512,
                  compilation_cache_dir: str | None = "~/.cache/ernie_jax/xla", batch_invariant: bool = False,
                  background_compile: bool = False, kernels: str = "auto", pd_policy: str | PDPolicy = "dynamic",
-                 speculative_config: dict | str | None = None):
+                 speculative_config: dict | str | None = None, eplb_config: dict | str | None = None):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
         jdtype = _DTYPES[dtype]
@@ -95,8 +98,18 @@ class LLM:
         eos.update([gen_eos] if isinstance(gen_eos, int) else gen_eos)
         if self.tokenizer is not None:
             eos.update(self.tokenizer.eos_token_ids)
-        decode_model, prefill_model = self._place(cfg, given, weights, jdtype, mesh, prefill_devices, disaggregate,
-                                                  sharding, kernels)
+        from ernie_jax.engine.expert_balance import EPLBConfig
+        from ernie_jax.engine.speculative import SpeculativeConfig
+        speculative_config = SpeculativeConfig.parse(speculative_config)
+        if speculative_config is not None and speculative_config.model is not None:
+            own = [os.path.normpath(os.path.join(model, sub)) for sub in ("", "mtp")] if isinstance(model, str) else []
+            if os.path.normpath(speculative_config.model) not in own:
+                raise ValueError(f"speculative_config.model={speculative_config.model!r}: the MTP weights are read "
+                                 "from the served checkpoint (its ernie.mtp_block.0.* tensors or its mtp/ folder); "
+                                 "give its path, its mtp/ folder, or leave the field out")
+        decode_model, prefill_model, balancer = self._place(cfg, given, weights, jdtype, mesh, prefill_devices,
+                                                            disaggregate, sharding, kernels,
+                                                            EPLBConfig.parse(eplb_config))
         self.model = decode_model  # the decode-side model (on the decode submesh under PD)
         self.engine = Engine(decode_model, prefill_model=prefill_model, max_num_seqs=max_num_seqs,
                              max_model_len=self.max_model_len, page_size=page_size, num_pages=num_pages,
@@ -105,38 +118,52 @@ class LLM:
                              prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype, eos_token_ids=frozenset(eos),
                              tokenizer=self.tokenizer, seed=seed, batch_invariant=batch_invariant,
                              background_compile=background_compile, pd_policy=pd_policy,
-                             speculative_config=speculative_config)
+                             speculative_config=speculative_config, expert_balancer=balancer)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
         return self.engine.eos_token_ids
 
     @staticmethod
-    def _place(cfg, given, weights, dtype, mesh, prefill_devices, disaggregate, sharding, kernels):
-        """(decode model, prefill model or None) from a built model (`given`, whose execution config is kept
-        unless `kernels` asks for a choice) or host weights."""
+    def _place(cfg, given, weights, dtype, mesh, prefill_devices, disaggregate, sharding, kernels, eplb=None):
+        """(decode model, prefill model or None, ExpertBalancer or None) from a built model (`given`, whose
+        execution config is kept unless `kernels` asks for a choice) or host weights; with `eplb` (an
+        EPLBConfig) the routed experts go into its first placement's slots."""
         execution = None
         if given is not None:
             weights, dtype = given.checkpoint_weights(), given.dtype
             execution = given.execution if kernels == "auto" else None
-            if mesh is None and execution is not None:
-                return given, None
+        if eplb is not None and (mesh is None or cfg.num_moe_layers == 0):
+            raise ValueError("eplb_config: EPLB needs expert parallelism (a mesh that splits the experts, e.g. "
+                             "mesh=8) and a MoE model")
         if mesh is None:
-            return ErnieForCausalLM.from_host(cfg, weights, dtype, None, execution, kernels), None
+            if given is not None and execution is not None:
+                return given, None, None
+            return ErnieForCausalLM.from_host(cfg, weights, dtype, None, execution, kernels), None, None
+        from ernie_jax.engine.expert_balance import ExpertBalancer
         from ernie_jax.sharding import ShardingPlan, make_mesh
 
-        def place(m):
-            return ErnieForCausalLM.from_host(cfg, weights, dtype, ShardingPlan.create(m, sharding), execution, kernels)
         full = make_mesh(mesh)
         devices = list(full.devices.flat)
-        if not disaggregate:
-            return place(full), None
-        n_prefill = prefill_devices or len(devices) // 2
-        if not 1 <= n_prefill < len(devices):
-            raise ValueError(f"prefill_devices={n_prefill} must leave at least one of the {len(devices)} devices "
-                             "for decode")
-        prefill = place(make_mesh(n_prefill, devices[:n_prefill]))
-        return place(make_mesh(len(devices) - n_prefill, devices[n_prefill:])), prefill
+        meshes = [full]
+        if disaggregate:
+            n_prefill = prefill_devices or len(devices) // 2
+            if not 1 <= n_prefill < len(devices):
+                raise ValueError(f"prefill_devices={n_prefill} must leave at least one of the {len(devices)} "
+                                 "devices for decode")
+            meshes = [make_mesh(len(devices) - n_prefill, devices[n_prefill:]), make_mesh(n_prefill, devices[:n_prefill])]
+        plans = [ShardingPlan.create(m, sharding) for m in meshes]
+        balancer = None
+        if eplb is not None:
+            ep = {p.size_of(p.axes_of("experts")) for p in plans}
+            if len(ep) > 1 or min(ep) < 2:
+                raise ValueError(f"eplb_config: EPLB needs expert parallelism of one size on every submesh; the "
+                                 f"experts are split {sorted(ep)} ways")
+            balancer = ExpertBalancer(eplb, cfg.num_moe_layers, cfg.moe_num_experts, ep.pop())
+        placement = balancer.placement if balancer else None
+        models = [ErnieForCausalLM.from_host(cfg, weights, dtype, p, execution, kernels, expert_placement=placement)
+                  for p in plans]
+        return models[0], (models[1] if len(models) > 1 else None), balancer
 
     @property
     def sampling_defaults(self) -> dict:

@@ -58,3 +58,100 @@ def test_bad_input_names_the_problem():
         plan(np.ones(64), 8, 8)
     with pytest.raises(ValueError, match="non-negative"):
         plan(-np.ones((1, 64)), 8, 8)
+
+
+# ---- EPLB in the engine -----------------------------------------------------------------------------------
+def _moe_model():
+    import jax.numpy as jnp
+    from flax import nnx
+    from ernie_jax import ErnieConfig, ErnieForCausalLM
+    cfg = ErnieConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, moe_num_experts=8, moe_k=2,
+                      moe_layer_start_index=1, tie_word_embeddings=False, num_nextn_predict_layers=0,
+                      moe_num_shared_experts=1)
+    return ErnieForCausalLM(cfg, rngs=nnx.Rngs(5), dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("mode", ["colocated8", "pd"])
+def test_greedy_unchanged_across_rebalances_mid_generation(mode):
+    """R = 8 redundant experts re-placed every 5 steps while requests generate (the experts move between
+    devices at step boundaries): every greedy output equals the run without EPLB, the placement changed,
+    and the balancedness gauge and report read the window."""
+    from ernie_jax import LLM, SamplingParams
+    model = _moe_model()
+    kw = dict(max_model_len=64, max_num_seqs=4, mesh=8,
+              **({"disaggregate": False} if mode == "colocated8" else {"prefill_devices": 4}))
+    prompts = [np.random.default_rng(i).integers(3, 256, n).tolist() for i, n in enumerate((5, 17, 9, 30))]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(model, **kw).generate(prompt_token_ids=prompts, sampling_params=sp)]
+    llm = LLM(model, **kw, eplb_config={"num_redundant_experts": 8, "window_size": 20, "step_interval": 5,
+                                        "log_balancedness": True})
+    balancer = llm.engine.balancer
+    first = balancer.placement
+    got = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)]
+    assert got == want
+    assert balancer.rebalances >= 2 and not np.array_equal(first.slot_expert, balancer.placement.slot_expert)
+    for inst in llm.engine.instances:
+        assert inst.programs.expert_placement is balancer.placement  # every instance applied the last one
+    report = balancer.report()
+    assert len(report["balancedness"]) == 2 and all(0 < b <= 1 for b in report["balancedness"])
+    from ernie_jax.serve.metrics import ServerMetrics
+    text = ServerMetrics(llm.engine, "m").render().decode()
+    assert 'ernie_jax:eplb_balancedness{layer="1",model_name="m"}' in text
+    assert 'ernie_jax:eplb_rebalances_total{model_name="m"}' in text
+
+
+def test_eplb_config_errors_name_the_field():
+    from ernie_jax import LLM
+    from ernie_jax.engine.expert_balance import EPLBConfig, EPLBConfigError
+    assert EPLBConfig.parse('{"num_redundant_experts": 8, "window_size": 10}') == EPLBConfig(8, 10)
+    for bad, field in [('{"num_redundant_experts": 8', "not valid JSON"), ({"window_size": 0}, "window_size=0"),
+                       ({"num_redundant_experts": -8}, "num_redundant_experts=-8"),
+                       ({"num_redundant_expert": 8}, "unknown field"), ({"log_balancedness": "yes"}, "log_balancedness")]:
+        with pytest.raises(EPLBConfigError, match=field):
+            EPLBConfig.parse(bad)
+    model = _moe_model()
+    with pytest.raises(ValueError, match="needs expert parallelism"):
+        LLM(model, max_model_len=64, max_num_seqs=2, eplb_config={"num_redundant_experts": 8})
+    with pytest.raises(ValueError, match="num_redundant_experts must be a non-negative multiple of the expert-parallel size 8, got 4"):
+        LLM(model, max_model_len=64, max_num_seqs=2, mesh=8, disaggregate=False, eplb_config={"num_redundant_experts": 4})
+
+
+def test_admin_rebalance_route_needs_the_api_key_and_keeps_outputs():
+    """POST /v1/admin/rebalance_experts (in process, over the routes the server runs): 401 without the API key;
+    with it, a re-placement from the load the first request measured; the same request then gets the same
+    greedy tokens from the re-placed experts."""
+    import asyncio
+
+    import httpx
+
+    from ernie_jax import LLM
+    from ernie_jax.assets import EMBEDDED_MODEL_DIR
+    from ernie_jax.engine.async_engine import AsyncEngine
+    from ernie_jax.serve.api import Server, create_app
+    from ernie_jax.serve.metrics import ServerMetrics
+    from ernie_jax.tokenizer import Tokenizer
+
+    llm = LLM(_moe_model(), max_model_len=64, max_num_seqs=4, mesh=8, disaggregate=False,
+              eplb_config={"num_redundant_experts": 8, "window_size": 50, "step_interval": 0})
+    metrics = ServerMetrics(llm.engine, "m")
+    runner = AsyncEngine(llm.engine, on_finish=metrics.on_finish)
+    app = create_app(Server(runner, Tokenizer.from_pretrained(EMBEDDED_MODEL_DIR), "m", {}, metrics, api_key="k"))
+    auth = {"Authorization": "Bearer k"}
+    body = {"prompt": list(range(3, 40)), "max_tokens": 12, "temperature": 0}
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            assert (await c.post("/v1/admin/rebalance_experts")).status_code == 401
+            first = (await c.post("/v1/completions", json=body, headers=auth)).json()["choices"][0]["text"]
+            r = await c.post("/v1/admin/rebalance_experts", headers=auth)
+            assert r.status_code == 200 and r.json()["rebalanced"], r.text
+            assert min(r.json()["balancedness_after"]) >= min(r.json()["balancedness_before"])
+            again = (await c.post("/v1/completions", json=body, headers=auth)).json()["choices"][0]["text"]
+            return first, again
+    try:
+        first, again = asyncio.run(run())
+    finally:
+        runner.shutdown()
+    assert first == again
+    assert all(i.programs.expert_placement is llm.engine.balancer.placement for i in llm.engine.instances)

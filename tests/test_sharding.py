@@ -335,3 +335,33 @@ def test_plan_cli_compiles_the_speculative_programs(capsys):
     assert spec["speculative_tokens"] == 2 and spec["decode"]["tokens"] == 3
     assert spec["decode"]["kv_bytes_per_token"] == plain["decode"]["kv_bytes_per_token"] * (L + 1) / L
     assert spec["decode"]["flops"] > 2 * plain["decode"]["flops"] > 0
+
+
+@pytest.mark.parametrize("dispatch", ["replicated", "all_to_all"])
+@pytest.mark.parametrize("mesh", ["data=1,expert=8,tensor=1", "data=1,expert=4,tensor=2"])
+def test_redundant_experts_leave_the_logits_unchanged(mesh, dispatch):
+    """EPLB (sharding/eplb.py): 8 experts in 16 physical slots over the 8 EP devices, hot experts replicated
+    from skewed loads; a token's assignment goes to one replica. Logits (full forward and decode through the
+    cache) equal those without EPLB within 1e-6 (f32), with either dispatch, and checkpoint_weights() gives
+    back the checkpoint's experts."""
+    from ernie_jax.sharding import eplb
+    ids = np.random.default_rng(3).integers(3, 256, (2, 9)).astype(np.int32)
+    model = tiny(1)
+    plan = ShardingPlan.create(make_mesh(mesh))
+    ref_full, ref_dec = run(dispatching(model.shard(plan), dispatch), ids)
+    load = np.random.default_rng(1).pareto(1.0, (model.config.num_moe_layers, 8)) * 100
+    placement = eplb.plan(load, 8, 8)
+    assert placement.replicas.max() > 2 and placement.slot_expert.shape == (2, 16)
+    placed = ErnieForCausalLM.from_host(model.config, model.weights(), jnp.float32, plan, model.execution,
+                                        expert_placement=placement)
+    seg = placed.weights()["segments"][1]
+    assert seg["experts_up_gate"].shape[1] == 16 and seg["expert_slots"].shape == (2, 8, 9)
+    full, dec = run(dispatching(placed, dispatch), ids)
+    assert np.abs(full - ref_full).max() < 1e-6 and np.abs(dec - ref_dec).max() < 1e-6
+    for a, b in zip(jax.tree.leaves(placed.checkpoint_weights()), jax.tree.leaves(model.weights())):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="needs expert parallelism"):
+        ErnieForCausalLM.from_host(model.config, model.weights(), jnp.float32, None, model.execution,
+                                   expert_placement=placement)
+    with pytest.raises(ValueError, match="non-negative multiple of the expert-parallel size 8, got 4"):
+        eplb.plan(load, 4, 8)

@@ -44,6 +44,8 @@ def test_config_errors_name_the_field():
                        ({"num_speculative_token": 1}, "unknown field"), ("[1]", "JSON object")]:
         with pytest.raises(SpeculativeConfigError, match=field.replace("(", r"\(").replace("[", r"\[")):
             SpeculativeConfig.parse(bad)
+    with pytest.raises(ValueError, match="the MTP weights are read from the served checkpoint"):
+        LLM(str(EMBEDDED_MODEL_DIR), max_model_len=64, speculative_config={"model": "/elsewhere/mtp"})
     with pytest.raises(ValueError, match="needs the model's MTP block"):
         LLM(golden("noshared_tied"), max_model_len=64, max_num_seqs=2, speculative_config=spec(1))
 

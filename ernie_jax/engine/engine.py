@@ -55,7 +55,7 @@ class Engine:
                  enable_prefix_caching: bool = True, prefill_chunk: int = 512, kv_cache_dtype: str = "auto",
                  eos_token_ids: frozenset[int] = frozenset(), tokenizer=None, seed: int = 0,
                  batch_invariant: bool = False, background_compile: bool = False,
-                 pd_policy: str | PDPolicy = "dynamic", speculative_config=None):
+                 pd_policy: str | PDPolicy = "dynamic", speculative_config=None, expert_balancer=None):
         """model: the decode-side model (placed on its mesh). prefill_model: the same weights on a disjoint
         mesh for disaggregated prefill, or None to prefill with `model` (colocated).
         num_pages: pages per pool (vLLM's num_gpu_blocks_override), else sized from device memory
@@ -69,7 +69,9 @@ class Engine:
         in the background (a server is up sooner; small batches run padded until their bucket is ready).
         pd_policy: disaggregated only: "static" (fixed roles), "dynamic" (role switching) or a PDPolicy.
         speculative_config: MTP speculative decoding ({"method": "mtp", "num_speculative_tokens": k}, a JSON
-        string or a SpeculativeConfig; engine/speculative.py), or None."""
+        string or a SpeculativeConfig; engine/speculative.py), or None.
+        expert_balancer: EPLB (engine/expert_balance.py): the models' experts are laid out in its placement,
+        which it re-places from measured load; or None."""
         if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         self.policy = pd_policy if isinstance(pd_policy, PDPolicy) else PDPolicy(pd_policy)
@@ -81,6 +83,7 @@ class Engine:
                              "(num_nextn_predict_layers = 1 and its ernie.mtp_block.0.* weights); this model has "
                              "none")
         self.spec_stats = SpecDecodeStats(k)
+        self.balancer = expert_balancer
         self.max_num_seqs, self.max_model_len, self.page_size = max_num_seqs, max_model_len, page_size
         self.max_pages = -(-max_model_len // page_size)
         self.prefill_chunk = min(prefill_chunk, self.max_pages * page_size)
@@ -94,6 +97,7 @@ class Engine:
         # to the null page through the table's padding, so the tables (and the rotary table) are that much wider.
         table_pages = -(-(max_model_len + 4 * k + 1) // page_size) if k else self.max_pages
         pool = dict(num_pages=num_pages, page_size=page_size, max_pages_per_seq=table_pages, speculative_tokens=k,
+                    expert_placement=expert_balancer.placement if expert_balancer else None,
                     kv_cache_dtype=kv_cache_dtype, batch_invariant=batch_invariant,
                     memory_utilization=gpu_memory_utilization,
                     pages_without_memory_limit=max_num_seqs * self.max_pages + 1)
@@ -272,6 +276,23 @@ class Engine:
             if req.prefilled_on is not None:
                 key = (req.prefilled_on, req.decoded_on)
                 self.placements[key] = self.placements.get(key, 0) + 1
+
+    def rebalance_experts(self) -> dict:
+        """EPLB: a new expert placement from the measured load window, applied by every instance at its next
+        step boundary (between steps: nothing is dropped or recomputed); returns the balancedness before and
+        after. (Every eplb_config.step_interval steps too.)"""
+        if self.balancer is None:
+            raise RuntimeError("this engine has no redundant experts (eplb_config)")
+        out = self.balancer.rebalance([i.name for i in self.instances])
+        if out["rebalanced"] and not self._threads:
+            for inst in self.instances:  # offline: no boundary thread to wait for
+                inst.take_placement()
+        return out
+
+    def observe_expert_load(self, counts: np.ndarray) -> None:
+        """One instance step's tokens per expert of each MoE layer (EPLB's load window)."""
+        if self.balancer is not None and self.balancer.observe(counts):
+            self.rebalance_experts()
 
     def role_switch(self, instance: str, src: str, dst: str) -> None:
         with self.lock:

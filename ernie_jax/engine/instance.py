@@ -129,6 +129,7 @@ class Instance:
     def begin(self, touched: list[Request]):
         """The step boundary, then this step's programs dispatched; returns what end() reads."""
         t0, self._transfer = self.host.now(), 0.0
+        self.take_placement()
         self._drop_aborted(touched)
         self._take_inbox()
         self._hand_over(touched)
@@ -166,6 +167,12 @@ class Instance:
         rows = len(self.running)
         batch = self.programs.bucket("decode", rows) if rows else 0
         return tokens, shape, context, rows, batch, sum(r.num_tokens for r in self.running)
+
+    def take_placement(self) -> None:
+        """EPLB: move the experts into a re-placement the engine queued for this instance (between steps)."""
+        balancer = self.host.balancer
+        if balancer is not None and (placement := balancer.take_pending(self.name)) is not None:
+            self.programs.place_experts(placement)
 
     def _drop_aborted(self, touched: list[Request]) -> None:
         with self.host.lock:
@@ -400,7 +407,9 @@ class Instance:
         for req, start, targets, scores in scored:
             self.host.add_prompt_logprobs(req, start, targets, jax.device_get(scores))
         for kind, reqs, result, t0, counts, drafts, _ in pending:  # every program is in flight before any is read
-            self.expert_tokens += jax.device_get(counts)
+            counts = jax.device_get(counts)
+            self.expert_tokens += counts
+            self.host.observe_expert_load(counts)
             if kind == "verify":
                 self._read_verified(reqs, result, drafts, t0, touched)
                 continue

@@ -242,7 +242,7 @@ class ModelPrograms:
                  kv_cache_dtype: str, prefill_buckets: list[tuple[int, int]], decode_buckets: list[int], name: str,
                  batch_invariant: bool = False, memory_utilization: float | None = None,
                  pages_without_memory_limit: int = 0, score_buckets: tuple[int, ...] = (),
-                 speculative_tokens: int = 0):
+                 speculative_tokens: int = 0, expert_placement=None):
         """prefill_buckets: (B, T) shapes, with (1, T) for every chunk length T; decode_buckets: batch sizes.
         num_pages: the pool's pages (the null page included), or None to size it from device memory:
         memory_utilization (default 0.9, vLLM's) of each device's memory minus what is resident, or, where
@@ -251,9 +251,11 @@ class ModelPrograms:
         score_buckets: chunk lengths whose prompt-scoring prefill compiles with the other buckets (a
         server's, in the background); any other length compiles on first use.
         speculative_tokens: k > 0 for MTP speculative decoding: the pool holds the MTP block's KV too,
-        prefill programs also draft k tokens, decode programs verify k drafts (T = k + 1) and draft again."""
+        prefill programs also draft k tokens, decode programs verify k drafts (T = k + 1) and draft again.
+        expert_placement: the redundant-expert placement the model's weights were laid out in (EPLB), or None."""
         self.cfg, self.plan, self.name, self.execution = model.config, model.plan, name, model.execution
         self.k = speculative_tokens
+        self.expert_placement = expert_placement
         self.weights = model.weights()
         if platform(model) == "cpu":
             groups = cpu_expert_groups(self.cfg.moe_num_experts) if self.plan is None else 1
@@ -359,6 +361,42 @@ class ModelPrograms:
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                                 (self.weights, self.cache))
         return lower_step(jitted, *abstract, self.replicated, B, T, self.max_pages, extra, sampling)
+
+    def place_experts(self, new) -> None:
+        """Move the routed experts into a new placement's slots (sharding/eplb.Placement; EPLB), device to
+        device: each new slot takes its expert from the slot that expert had first, and the routing map is
+        replaced. Arrays keep their shapes and shardings, so the compiled programs serve on unchanged; a
+        step already dispatched keeps the arrays it was given."""
+        from ernie_jax.sharding.eplb import slot_map
+        old = self.expert_placement
+        E = old.replicas.shape[1]
+        first = np.argmax(old.slot_expert[:, None, :] == np.arange(E)[None, :, None], axis=-1)  # [L, E]
+        src = np.take_along_axis(first, new.slot_expert, axis=1).astype(np.int32)  # [L, S]
+        slots, replicas = slot_map(new)
+
+        def take(a, idx, axis):
+            move = jax.jit(functools.partial(jnp.take, axis=axis), out_shardings=a.sharding)
+            return move(a, self.put(idx))
+
+        def moved(layer: dict, rows: slice, axis: int) -> dict:
+            out = dict(layer)
+            for name in ("experts_up_gate", "experts_down"):
+                out[name] = jax.tree.map(lambda a: take(a, src[rows] if axis else src[rows.start], axis), layer[name])
+            for name, new_map in (("expert_slots", slots), ("expert_replicas", replicas)):
+                out[name] = jax.device_put(new_map[rows] if axis else new_map[rows.start], layer[name].sharding)
+            return out
+        row = 0
+        for s, seg in enumerate(self.weights["segments"]):
+            layers = seg if isinstance(seg, list) else None
+            if "expert_slots" not in (layers[0] if layers else seg):
+                continue
+            L = len(layers) if layers else seg["expert_slots"].shape[0]
+            if layers:  # weights.cpu_layout: one pytree per layer, experts [S, ...]
+                self.weights["segments"][s] = [moved(w, slice(row + i, row + i + 1), 0) for i, w in enumerate(layers)]
+            else:  # stacked [L, S, ...]
+                self.weights["segments"][s] = moved(seg, slice(row, row + L), 1)
+            row += L
+        self.expert_placement = new
 
     def reset_cache(self) -> None:
         """A fresh (zeroed) pool in place of one a failed program may have consumed: every program donates

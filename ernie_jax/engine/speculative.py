@@ -14,8 +14,9 @@ every previous token on the host).
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
+
+from ernie_jax.engine.json_config import json_object
 
 METHODS = ("mtp", "ernie_mtp")  # FastDeploy's name, vLLM's name
 MAX_SPECULATIVE_TOKENS = 4
@@ -29,24 +30,17 @@ class SpeculativeConfigError(ValueError):
 class SpeculativeConfig:
     method: str = "mtp"
     num_speculative_tokens: int = 1
+    # Where FastDeploy and vLLM read the MTP weights: here always the served checkpoint's own (its
+    # ernie.mtp_block.0.* tensors or its mtp/ folder); LLM refuses a path that names anything else.
+    model: str | None = None
 
     @classmethod
     def parse(cls, value: Any) -> "SpeculativeConfig | None":
         """None, a dict, a JSON string (the CLI flag) or a SpeculativeConfig -> a config (None: off)."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise SpeculativeConfigError(f"speculative_config is not valid JSON ({e.msg} at character "
-                                             f"{e.pos}): {value!r}") from None
-        if not isinstance(value, dict):
-            raise SpeculativeConfigError(f"speculative_config must be a JSON object, got {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)} | {"model"}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise SpeculativeConfigError(f"speculative_config: unknown field(s) {unknown}; known: {sorted(known)}")
+        value = json_object(value, "speculative_config", [f.name for f in dataclasses.fields(cls)],
+                            SpeculativeConfigError)
         method = value.get("method", "mtp")
         if method not in METHODS:
             raise SpeculativeConfigError(f"speculative_config.method={method!r}: expected one of {list(METHODS)} "
@@ -55,7 +49,10 @@ class SpeculativeConfig:
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise SpeculativeConfigError(f"speculative_config.num_speculative_tokens={k!r}: expected an integer "
                                          f"in [1, {MAX_SPECULATIVE_TOKENS}]")
-        return cls(method, k)
+        model = value.get("model")
+        if model is not None and not isinstance(model, str):
+            raise SpeculativeConfigError(f"speculative_config.model={model!r}: expected a path")
+        return cls(method, k, model)
 
 
 class SpecDecodeStats:

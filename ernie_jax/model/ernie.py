@@ -68,11 +68,13 @@ class ErnieForCausalLM(nnx.Module):
         return _to_pure(nnx.to_pure_dict(nnx.state(self, nnx.Param)))
 
     def checkpoint_weights(self) -> dict[str, Any]:
-        """The weights pytree in the checkpoint's layout (fused columns as [Q|K|V] and [gate|up])."""
+        """The weights pytree in the checkpoint's layout (fused columns as [Q|K|V] and [gate|up], each routed
+        expert once, in its own slot)."""
         if self.plan is None:
             return self.weights()
+        from ernie_jax.sharding.eplb import checkpoint_leaves
         from ernie_jax.sharding.fused import relayout_fused
-        return relayout_fused(self.weights(), self.plan, self.config, to_groups=False)
+        return checkpoint_leaves(relayout_fused(self.weights(), self.plan, self.config, to_groups=False))
 
     @property
     def dtype(self):
@@ -114,14 +116,27 @@ class ErnieForCausalLM(nnx.Module):
 
     @classmethod
     def from_host(cls, config: ErnieConfig, weights: dict[str, Any], dtype, plan=None,
-                  execution: ExecutionConfig | None = None, kernels: str = "auto") -> "ErnieForCausalLM":
+                  execution: ExecutionConfig | None = None, kernels: str = "auto", expert_placement=None
+                  ) -> "ErnieForCausalLM":
         """A model whose weights (host arrays or device arrays, in the checkpoint's layout: a placed model's
         `checkpoint_weights()`, not its `weights()`) go onto the default device (plan None) or onto plan.mesh
         by plan's rules, each tensor straight onto its shards (sharding.placement).
         execution: the ops' implementations (default: chosen for the target devices with `kernels`,
         "auto" | "pallas" | "xla"). When FP8 kernels are in use, block-FP8 matrices are stored K-major, as
-        their MMAs read them."""
+        their MMAs read them.
+        expert_placement: redundant experts (sharding/eplb.Placement over the MoE layers): the routed experts
+        go into its physical slots, with the routing map beside them; needs expert parallelism."""
         device = jax.devices()[0] if plan is None else plan.mesh.devices.flat[0]
+        if expert_placement is not None:
+            from ernie_jax.sharding.eplb import expert_leaves
+            ep = 1 if plan is None else plan.size_of(plan.axes_of("experts"))
+            if ep != expert_placement.num_devices:
+                raise ValueError(f"redundant experts are placed over {expert_placement.num_devices} expert-parallel "
+                                 f"devices, but the mesh splits experts {ep} ways" +
+                                 ("" if ep > 1 else ": EPLB needs expert parallelism (--mesh with the experts "
+                                                    "split over several devices)"))
+            moe = [i for i, seg in enumerate(config.layer_segments()) if seg.kind == "moe"]
+            weights = expert_leaves(weights, expert_placement, moe)
         execution = execution or execution_for(device, kernels)
         if execution.kernel_layout:
             weights = ops.kernel_layout(weights)

@@ -20,7 +20,7 @@ from ernie_jax.config import ErnieConfig
 from ernie_jax.ops import dense
 from ernie_jax.ops.execution import REFERENCE, ExecutionConfig
 from ernie_jax.ops.paged_attention import paged_attention as paged_attention_op
-from ernie_jax.ops.routed_experts import route, routed_experts
+from ernie_jax.ops.routed_experts import route, routed_experts, to_slots
 from ernie_jax.quant import BlockFP8
 from ernie_jax.sharding.attention import paged_attention_sharded
 from ernie_jax.sharding.expert_parallel import moe_ep
@@ -121,13 +121,23 @@ def moe(x: jax.Array, w: dict, cfg: ErnieConfig, ex: ExecutionConfig = REFERENCE
     shared = shared_experts(x2, w, ex, plan)
     if plan is None:
         weights, ids = route(x2, w["router"], w["router_bias"], cfg.moe_k, cfg.moe_norm_min)
-        y = routed_experts(x2, weights, ids, w["experts_up_gate"], w["experts_down"], cfg.moe_num_experts,
+        slots, num_slots = expert_slots(ids, w, cfg)
+        y = routed_experts(x2, weights, slots, w["experts_up_gate"], w["experts_down"], num_slots,
                            batch_invariant=batch_invariant, implementation=ex.routed_experts,
                            opts=ex.expert_options)
         y = y + shared
     else:  # the shared experts' output is summed with the routed experts' (sharding/expert_parallel.py)
         y, ids = moe_ep(x, w, cfg, plan, ex, batch_invariant, None if isinstance(shared, int) else shared)
     return y.reshape(x.shape), ids
+
+
+def expert_slots(ids: jax.Array, w: dict, cfg: ErnieConfig) -> tuple[jax.Array, int]:
+    """The physical expert slots the routed assignments ids [T,k] go to, and how many slots there are: the
+    experts themselves, or with redundant experts (EPLB, sharding/eplb.py) one replica of each."""
+    if "expert_slots" not in w:
+        return ids, cfg.moe_num_experts
+    E, M = w["expert_slots"].shape  # M = 1 + R
+    return to_slots(ids, w["expert_slots"], w["expert_replicas"]), E + M - 1
 
 
 def shared_experts(x: jax.Array, w: dict, ex: ExecutionConfig = REFERENCE, plan=None) -> jax.Array | int:

@@ -106,6 +106,15 @@ def create_app(server: Server) -> FastAPI:
                                             "max_model_len": server.engine.engine.max_model_len,
                                             "vocab_size": cfg.vocab_size}]}
 
+    @app.post("/v1/admin/rebalance_experts")
+    async def rebalance_experts() -> dict:
+        """EPLB: re-place the redundant experts from the measured load now (behind the API key, like every
+        /v1 route); the instances move their experts at their next step boundaries."""
+        engine = server.engine.engine
+        if engine.balancer is None:
+            raise ProtocolError("this server has no redundant experts; start it with --eplb-config", status=400)
+        return await asyncio.to_thread(engine.rebalance_experts)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         _check_model(server, body.model)

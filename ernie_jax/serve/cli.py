@@ -46,6 +46,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--speculative-config", default=None, metavar="JSON",
       help='MTP speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 1}\' ("ernie_mtp" too; '
            'k from 1 to 4; k > 1 chains the one MTP layer)')
+    a("--eplb-config", default=None, metavar="JSON",
+      help='redundant experts re-placed from measured load, vLLM\'s keys: \'{"num_redundant_experts": 8, '
+           '"window_size": 1000, "step_interval": 3000, "log_balancedness": true}\' (needs --mesh); '
+           'POST /v1/admin/rebalance_experts re-places at once')
     a("--sharding", default="tp_ep", choices=["tp_ep", "tp", "dp_attn_ep"])
     a("--max-model-len", type=int, default=None, help="prompt + output tokens (default: min(model's, 2048))")
     a("--background-compile", action=argparse.BooleanOptionalAction, default=True,
@@ -111,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     from ernie_jax.assets import EMBEDDED_MODEL_DIR
     from ernie_jax.engine.async_engine import AsyncEngine
     from ernie_jax.engine.policy import PDPolicy
+    from ernie_jax.engine.expert_balance import EPLBConfig
     from ernie_jax.engine.speculative import SpeculativeConfig
     from ernie_jax.llm import LLM
     from ernie_jax.serve.api import Server, create_app
@@ -131,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         speculative = SpeculativeConfig.parse(args.speculative_config)
     except ValueError as e:
         raise SystemExit(f"--speculative-config: {e}") from None
+    try:
+        eplb = EPLBConfig.parse(args.eplb_config)
+    except ValueError as e:
+        raise SystemExit(f"--eplb-config: {e}") from None
     llm = LLM(model_dir, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
               mesh=args.mesh if n_devices > 1 else None, prefill_devices=args.prefill_devices,
@@ -139,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
               enable_prefix_caching=args.enable_prefix_caching, prefill_chunk=args.max_num_batched_tokens,
               compilation_cache_dir=args.compilation_cache_dir or None, batch_invariant=args.batch_invariant,
               background_compile=args.background_compile, kernels=args.kernels,
-              pd_policy=policy, speculative_config=speculative)
+              pd_policy=policy, speculative_config=speculative, eplb_config=eplb)
     if llm.tokenizer is None:
         raise SystemExit(f"{model_dir} has no tokenizer.model; the server needs one to render chats and text")
     _log_startup(llm, model_dir, args)
@@ -185,6 +194,11 @@ def _log_startup(llm, model_dir: str, args) -> None:
                  ids(engine.instance("prefill")), ids(engine.instance("decode")), platform, engine.policy.mode)
     else:
         log.info("colocated: prefill and decode on devices [%s] (%s)", ids(engine.instances[0]), platform)
+    if engine.balancer is not None:
+        b = engine.balancer
+        log.info("EPLB: %d redundant experts over %d expert-parallel devices (%d slots each); re-placed every %s "
+                 "steps from the last %d", b.config.num_redundant_experts, b.num_devices,
+                 b.placement.slots_per_device, b.config.step_interval or "(never: on request)", b.config.window_size)
     if engine.speculative:
         log.info("speculative decoding: %s, %d draft tokens per step from the model's MTP layer",
                  engine.speculative.method, engine.speculative.num_speculative_tokens)

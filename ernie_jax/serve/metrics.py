@@ -4,7 +4,7 @@ Per-request histograms (TTFT, TPOT, end-to-end, queue time) and outcome counters
 request finishes (on the engine thread) or is rejected (on the HTTP side). Engine state -- running and
 waiting requests, KV-cache usage per pool, tokens routed to each expert of each MoE layer, each
 instance's busy seconds and steps, KV transfer totals, PD role switches and
-where requests were prefilled and decoded -- is read at scrape time by a collector, so it costs nothing
+where requests were prefilled and decoded, EPLB balancedness, speculative decoding counters -- is read at scrape time by a collector, so it costs nothing
 between scrapes. Each server has its own registry (several can live in one process, e.g. in tests).
 """
 
@@ -121,6 +121,17 @@ class _EngineCollector:
             for program, n in inst.steps.items():
                 c.add_metric([name, inst.name, program], float(n))
         yield c
+        if e.balancer is not None:  # EPLB
+            g = GaugeMetricFamily("ernie_jax:eplb_balancedness", "Per MoE layer: mean over max tokens per expert-"
+                                  "parallel device of the load window, under the expert placement in force",
+                                  labels=["model_name", "layer"])
+            for layer, b in zip(e.moe_layers, e.balancer.current_balancedness()):
+                g.add_metric([name, str(layer)], float(b))
+            yield g
+            c = CounterMetricFamily("ernie_jax:eplb_rebalances", "Expert re-placements applied",
+                                    labels=["model_name"])
+            c.add_metric([name], float(e.balancer.rebalances))
+            yield c
         if e.speculative:  # vLLM's spec-decode counters
             stats = e.spec_stats
             for metric, value, doc in (

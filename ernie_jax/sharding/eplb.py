@@ -146,3 +146,61 @@ def _check(num_experts: int, num_redundant: int, num_devices: int) -> None:
     if num_redundant < 0 or num_redundant % num_devices:
         raise ValueError(f"num_redundant_experts must be a non-negative multiple of the expert-parallel size "
                          f"{num_devices}, got {num_redundant}")
+
+
+# ---- the placement on the devices: physical expert slots and the routing map -------------------------------
+def slot_map(placement: Placement) -> tuple[np.ndarray, np.ndarray]:
+    """(slots [L, E, M] int32: the physical slots of each expert's replicas, padded by repeating them;
+    replicas [L, E] int32), M = 1 + R, the most replicas an expert can have, so every placement of the same
+    E and R has the same shapes (a new one never recompiles): what the programs route with
+    (ops.routed_experts.to_slots)."""
+    L, S = placement.slot_expert.shape
+    E = placement.replicas.shape[1]
+    M = 1 + S - E
+    slots = np.zeros((L, E, M), np.int32)
+    for layer in range(L):
+        for e in range(E):
+            mine = np.flatnonzero(placement.slot_expert[layer] == e)
+            slots[layer, e] = np.resize(mine, M)
+    return slots, placement.replicas.astype(np.int32)
+
+
+def expert_leaves(weights: dict, placement: Placement, moe_segments: list[int]) -> dict:
+    """The weights pytree with each MoE segment's routed experts [L, E, ...] laid out in physical slots
+    [L, E + R, ...] (slot s of layer l holds expert slot_expert[l, s]) and the routing map added as
+    `expert_slots` [L, E, M] and `expert_replicas` [L, E]. moe_segments: the indices of the MoE segments,
+    whose layers are the placement's rows in order."""
+    import jax
+    segments, row = list(weights["segments"]), 0
+    for s in moe_segments:
+        seg = dict(segments[s])
+        L = seg["router"].shape[0]
+        take = placement.slot_expert[row:row + L]  # [L, S]
+
+        def gather(a):
+            a = np.asarray(a)
+            return np.take_along_axis(a, take.reshape(L, -1, *([1] * (a.ndim - 2))), axis=1)
+        for name in ("experts_up_gate", "experts_down"):
+            seg[name] = jax.tree.map(gather, seg[name])
+        slots, replicas = slot_map(Placement(take, placement.replicas[row:row + L], placement.num_devices))
+        seg["expert_slots"], seg["expert_replicas"] = slots, replicas
+        segments[s], row = seg, row + L
+    return {**weights, "segments": segments}
+
+
+def checkpoint_leaves(weights: dict) -> dict:
+    """Inverse of expert_leaves: each expert's first replica back in its logical slot, the map dropped."""
+    import jax
+    import jax.numpy as jnp
+    segments = []
+    for seg in weights["segments"]:
+        if "expert_slots" in seg:
+            seg = dict(seg)
+            first = jnp.asarray(seg.pop("expert_slots"))[..., 0]  # [L, E]
+            seg.pop("expert_replicas")
+            for name in ("experts_up_gate", "experts_down"):
+                seg[name] = jax.tree.map(
+                    lambda a: jnp.take_along_axis(a, first.reshape(*first.shape, *([1] * (a.ndim - 2))), axis=1),
+                    seg[name])
+        segments.append(seg)
+    return {**weights, "segments": segments}

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from ernie_jax.config import ErnieConfig
 from ernie_jax.ops.execution import ExecutionConfig
-from ernie_jax.ops.routed_experts import grouped_swiglu, route, routed_experts
+from ernie_jax.ops.routed_experts import grouped_swiglu, route, routed_experts, to_slots
 from ernie_jax.sharding.collectives import axis_linear_index, ragged_all_to_all
 from ernie_jax.sharding.rules import ShardingError, ShardingPlan
 
@@ -45,30 +45,33 @@ def moe_ep(x: jax.Array, w: dict, cfg: ErnieConfig, plan: ShardingPlan, ex: Exec
     expert_axes = plan.axes_of("experts")
     batch_axes = tuple(a for a in plan.axes_of("batch") if plan.size_of((a,)) > 1)
     n = plan.size_of(expert_axes)
-    if cfg.moe_num_experts % n:
-        raise ShardingError(f"moe_num_experts={cfg.moe_num_experts} is not divisible by the {n} devices of mesh "
-                            f"axes {expert_axes}")
+    redundant = "expert_slots" in w  # EPLB: E + R physical slots and the map to them (sharding/eplb.py)
+    num_slots = cfg.moe_num_experts + (w["expert_slots"].shape[1] - 1 if redundant else 0)
+    if num_slots % n:
+        raise ShardingError(f"{num_slots} expert slots (moe_num_experts={cfg.moe_num_experts} and the redundant "
+                            f"ones) are not divisible by the {n} devices of mesh axes {expert_axes}")
     B = x.shape[0]
     if B % plan.size_of(batch_axes):
         raise ShardingError(f"batch {B} is not divisible by the data-parallel size {plan.size_of(batch_axes)}")
     gather = tuple(a for a in batch_axes if a in expert_axes)
     reduce = tuple(a for a in expert_axes if a not in gather)
-    local = cfg.moe_num_experts // n
+    local = num_slots // n
     a2a = ex.ep_dispatch == "all_to_all" and n > 1
     bspec = (batch_axes if len(batch_axes) > 1 else batch_axes[0]) if batch_axes else None
 
     fold = shared is not None and not a2a and bool(reduce) and not gather
 
-    def body(x, router, bias, up_gate, down, shared):
+    def body(x, router, bias, up_gate, down, shared, slot_map):
         if gather:
             x = lax.all_gather(x, gather, axis=0, tiled=True)
         b, t, h = x.shape
         x2 = x.reshape(b * t, h)
         weights, ids = route(x2, router, bias, cfg.moe_k, cfg.moe_norm_min)
+        slots = to_slots(ids, *slot_map) if redundant else ids
         if a2a:
-            y = _all_to_all_experts(x2, weights, ids, up_gate, down, expert_axes, n, ex)
+            y = _all_to_all_experts(x2, weights, slots, up_gate, down, expert_axes, n, ex)
         else:
-            y = routed_experts(x2, weights, ids, up_gate, down, cfg.moe_num_experts,
+            y = routed_experts(x2, weights, slots, up_gate, down, num_slots,
                                axis_linear_index(expert_axes) * local, batch_invariant,
                                implementation=ex.routed_experts, opts=ex.expert_options)
         y = y.reshape(b, t, h)
@@ -83,12 +86,14 @@ def moe_ep(x: jax.Array, w: dict, cfg: ErnieConfig, plan: ShardingPlan, ex: Exec
         return y, ids
 
     up_gate, down = w["experts_up_gate"], w["experts_down"]
+    slot_map = (w["expert_slots"], w["expert_replicas"]) if redundant else ()
     in_specs = (P(bspec, None, None), P(), P(), plan.param_spec("experts_up_gate", up_gate),
-                plan.param_spec("experts_down", down), P(bspec, None, None) if fold else P())
+                plan.param_spec("experts_down", down), P(bspec, None, None) if fold else P(),
+                tuple(P() for _ in slot_map))
     y, ids = jax.shard_map(body, mesh=plan.mesh, in_specs=in_specs, out_specs=(P(bspec, None, None),
                                                                                P(bspec, None, None)),
                            check_vma=False)(x, w["router"], w["router_bias"], up_gate, down,
-                                            shared.reshape(x.shape) if fold else jnp.zeros((), x.dtype))
+                                            shared.reshape(x.shape) if fold else jnp.zeros((), x.dtype), slot_map)
     if shared is not None and not fold:
         y = y + shared.reshape(y.shape).astype(y.dtype)
     return y, ids.reshape(-1, ids.shape[-1])

@@ -48,6 +48,7 @@ LEAF_AXES: dict[str, tuple] = {
     "shared_up_gate": ("embed", "mlp"), "shared_down": ("mlp", "embed"),
     "router": ("embed", None), "router_bias": (None,),
     "experts_up_gate": ("experts", "embed", None), "experts_down": ("experts", None, "embed"),
+    "expert_slots": (None, None), "expert_replicas": (None,),  # EPLB's routing map (sharding/eplb.py)
     "k_scale": ("kv_heads",), "v_scale": ("kv_heads",),
     "proj": ("embed", None),
 }

@@ -80,6 +80,11 @@ class SimHost:
         self.role_switches: dict[tuple[str, str, str], int] = {}
         self.placements: dict[tuple[str, str], int] = {}
 
+    balancer = None  # the simulator models fixed expert placement
+
+    def observe_expert_load(self, counts) -> None:
+        pass
+
     def now(self) -> float:
         return self.clock
 

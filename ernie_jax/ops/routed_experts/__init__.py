@@ -18,7 +18,7 @@ from ernie_jax.ops.base import Implementation, Op, only_on
 from ernie_jax.ops.routed_experts.capacity import capacity_experts, expert_capacities
 from ernie_jax.ops.routed_experts.common import ExpertOptions, num_local
 from ernie_jax.ops.routed_experts.ragged import grouped_swiglu, ragged_experts
-from ernie_jax.ops.routed_experts.routing import route, sort_by_expert
+from ernie_jax.ops.routed_experts.routing import route, sort_by_expert, to_slots
 from ernie_jax.ops.routed_experts.sorted_tiles import sorted_tile_experts
 from ernie_jax.ops.routed_experts.tiled import tiled_experts
 
@@ -50,4 +50,4 @@ def routed_experts(x, weights, ids, up_gate, down, num_experts: int, first_exper
 
 
 __all__ = ["OP", "ExpertOptions", "expert_capacities", "grouped_swiglu", "num_local", "route", "routed_experts",
-           "sort_by_expert"]
+           "sort_by_expert", "to_slots"]

@@ -27,3 +27,14 @@ def sort_by_expert(ids: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Arr
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     return order, inverse, group_sizes
+
+
+def to_slots(ids: jax.Array, slots: jax.Array, replicas: jax.Array) -> jax.Array:
+    """Logical expert ids [T,k] -> the physical slot of one of each expert's replicas (redundant experts,
+    sharding/eplb.py): slots [E,M] lists each expert's replica slots, replicas [E] how many it has. The
+    replica is the assignment's index modulo that count, so the choice is deterministic and an expert's
+    assignments spread evenly over its replicas."""
+    T, k = ids.shape
+    index = jnp.arange(T * k, dtype=jnp.int32).reshape(T, k)
+    replica = index % jnp.take(replicas, ids)
+    return jnp.take_along_axis(jnp.take(slots, ids, axis=0), replica[..., None], axis=-1)[..., 0]
