@@ -69,7 +69,7 @@ def offline(args) -> int:
     llm = LLM(model, dtype=args.dtype, max_model_len=args.input_len + args.output_len,
               max_num_seqs=args.max_num_seqs or args.num_prompts, mesh=args.mesh, prefill_devices=args.prefill_devices,
               disaggregate=not args.no_disaggregate, kv_cache_dtype=args.kv_cache_dtype,
-              prefill_chunk=args.max_num_batched_tokens)
+              prefill_chunk=args.max_num_batched_tokens, speculative_config=args.speculative_config)
     startup = time.perf_counter() - t0
     cfg = llm.model.config
     rng = np.random.default_rng(0)
@@ -109,6 +109,11 @@ def offline(args) -> int:
     print("|---|---|---|---|---|---|---|")
     print(f"| ernie_jax | {len(outs)} | {n_out} | {wall:.2f} | {n_out / wall:.1f} | {_percentiles(ttft)} | "
           f"{_percentiles(tpot)} |")
+    if llm.engine.speculative:
+        r = llm.engine.spec_stats.report()
+        print(f"speculative decoding ({llm.engine.speculative.method}, k = {r['num_speculative_tokens']}): acceptance "
+              f"rate {r['acceptance_rate']:.3f}, per position {r['accepted_per_position']} of {r['num_drafts']} "
+              f"drafts, {r['mean_accepted_length']:.3f} tokens per step (warm-up included)")
     if hf is not None:
         hf_n = (hf_out.shape[1] - args.input_len) * hf_out.shape[0]
         hf_wall = float(np.median(hf_walls))
@@ -145,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     off.add_argument("--mesh", default=None)
     off.add_argument("--prefill-devices", type=int, default=None)
     off.add_argument("--no-disaggregate", action="store_true")
+    off.add_argument("--speculative-config", default=None, metavar="JSON",
+                     help='MTP speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 1}\' '
+                          '(random prompts: `bench mtp` measures it on text)')
     off.add_argument("--compare-hf", action="store_true", help="also time HF transformers generate (needs torch)")
     off.add_argument("--repeats", type=int, default=3, help="timed runs per stack (alternating with HF)")
     sub.add_parser("serve", add_help=False, help="a running OpenAI-compatible server under load (`serve --help`)")

@@ -159,7 +159,9 @@ class LLM:
             if len(ep) > 1 or min(ep) < 2:
                 raise ValueError(f"eplb_config: EPLB needs expert parallelism of one size on every submesh; the "
                                  f"experts are split {sorted(ep)} ways")
-            balancer = ExpertBalancer(eplb, cfg.num_moe_layers, cfg.moe_num_experts, ep.pop())
+            from ernie_jax.sharding.eplb import node_count
+            balancer = ExpertBalancer(eplb, cfg.num_moe_layers, cfg.moe_num_experts, ep.pop(),
+                                      num_nodes=node_count(plans[0].expert_devices()))
         placement = balancer.placement if balancer else None
         models = [ErnieForCausalLM.from_host(cfg, weights, dtype, p, execution, kernels, expert_placement=placement)
                   for p in plans]

@@ -56,10 +56,11 @@ class EPLBConfig:
 class ExpertBalancer:
     """One engine's EPLB state: the placement in force, the load window, and pending re-placements."""
 
-    def __init__(self, config: EPLBConfig, num_layers: int, num_experts: int, num_devices: int):
-        self.config, self.num_devices = config, num_devices
+    def __init__(self, config: EPLBConfig, num_layers: int, num_experts: int, num_devices: int, num_nodes: int = 1):
+        """num_nodes: hosts the expert-parallel devices span (eplb.node_count): replicas stay on their node."""
+        self.config, self.num_devices, self.num_nodes = config, num_devices, num_nodes
         # The first placement knows no loads: every expert equally hot, R replicas spread over the devices.
-        self.placement = eplb.plan(np.ones((num_layers, num_experts)), config.num_redundant_experts, num_devices)
+        self.placement = self._plan(np.ones((num_layers, num_experts)))
         self.window: collections.deque[np.ndarray] = collections.deque(maxlen=config.window_size)
         self.steps = 0
         self.rebalances = 0
@@ -85,7 +86,7 @@ class ExpertBalancer:
         load = self.window_load()
         if not load.any():
             return {"rebalanced": False, "reason": "no expert load measured yet"}
-        new = eplb.plan(load, self.config.num_redundant_experts, self.num_devices)
+        new = self._plan(load)
         before = eplb.balancedness(self.placement.device_load(load))
         after = eplb.balancedness(new.device_load(load))
         with self._lock:
@@ -98,6 +99,9 @@ class ExpertBalancer:
         return {"rebalanced": True, "window_steps": len(self.window),
                 "balancedness_before": [round(float(b), 4) for b in before],
                 "balancedness_after": [round(float(b), 4) for b in after]}
+
+    def _plan(self, load: np.ndarray) -> eplb.Placement:
+        return eplb.plan(load, self.config.num_redundant_experts, self.num_devices, self.num_nodes)
 
     def take_pending(self, instance: str) -> eplb.Placement | None:
         with self._lock:

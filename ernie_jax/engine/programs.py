@@ -196,9 +196,6 @@ def compile_all(jobs: dict[Any, Callable[[], Any]], on_done: Callable[[Any, Any,
             on_done(futures[f], *f.result())
 
 
-STEP_KINDS = ("step", "score", "spec_prefill", "verify")
-
-
 def step_program(cfg, plan, ex, weight_shardings, cache_shardings, replicated, batch_invariant: bool = False,
                  kind: str = "step", k: int = 0):
     """The jitted step with explicit shardings and the cache donated: what every ModelPrograms bucket

@@ -1,5 +1,6 @@
 """Expert-parallel load balancing (EPLB) placement: which experts get redundant replicas, and which
-expert-parallel device holds each replica, from measured per-expert loads. Pure numpy, no devices.
+expert-parallel device holds each replica, from measured per-expert loads (pure numpy), and the weights laid
+out in those slots with the map the programs route by (`expert_leaves`, `slot_map`, `checkpoint_leaves`).
 
 Per MoE layer, E logical experts fill E + R physical slots, (E + R) / D on each of the D expert-parallel
 devices (slot s lives on device s // ((E + R) / D)). A token routed to an expert with r replicas goes to one
@@ -8,8 +9,9 @@ of them, so each replica carries load / r. The plan starts from DeepSeek's EPLB:
 2. `pack`: replicas, heaviest first, go to the least-loaded device that still has a free slot, then
    pairs swap between the heaviest device and another while that lowers it;
 then improves on it: while moving one replica from one expert to another lowers the packed maximum device
-load, it does so (replicating by load alone ignores that a device has only (E + R) / D slots).
-(Hierarchical packing by node, for meshes spanning hosts, is not here.)
+load, it does so (replicating by load alone ignores that a device has only (E + R) / D slots). When the
+expert-parallel devices span hosts, `plan(..., num_nodes)` is DeepSeek's hierarchical form: experts are
+balanced over the nodes first, then replicated and packed within each node.
 
 Glossary: L MoE layers, E logical experts, R redundant slots, D expert-parallel devices, S = E + R slots.
 """
@@ -90,8 +92,14 @@ def pack(weights: np.ndarray, num_devices: int) -> np.ndarray:
     return device
 
 
-def plan(load: np.ndarray, num_redundant: int, num_devices: int) -> Placement:
-    """A placement per layer from measured loads [L, E] (tokens routed to each expert over a window)."""
+def plan(load: np.ndarray, num_redundant: int, num_devices: int, num_nodes: int = 1) -> Placement:
+    """A placement per layer from measured loads [L, E] (tokens routed to each expert over a window).
+
+    num_nodes > 1 (an expert-parallel group spanning hosts, devices d of node d // (D / nodes)): DeepSeek's
+    hierarchical form. Each layer's experts are first packed onto the nodes, E / nodes each, balancing the
+    nodes' loads; then each node replicates and packs its own experts over its devices with R / nodes
+    redundant slots, so a replica never sits on another node than its expert's other copies (the
+    all-to-all traffic of one expert stays within a node's fast links)."""
     load = np.asarray(load, np.float64)
     if load.ndim != 2:
         raise ValueError(f"expert load must be [layers, experts], got shape {load.shape}")
@@ -99,6 +107,8 @@ def plan(load: np.ndarray, num_redundant: int, num_devices: int) -> Placement:
         raise ValueError("expert load must be finite and non-negative")
     L, E = load.shape
     _check(E, num_redundant, num_devices)
+    if num_nodes > 1:
+        return _hierarchical(load, num_redundant, num_devices, num_nodes)
     S = E + num_redundant
     slot_expert, replicas = np.empty((L, S), np.int64), np.empty((L, E), np.int64)
     for layer in range(L):
@@ -106,6 +116,34 @@ def plan(load: np.ndarray, num_redundant: int, num_devices: int) -> Placement:
         order = np.lexsort((experts, device))  # by device, then expert: slot s on device s // (S / D)
         slot_expert[layer], replicas[layer] = experts[order], counts
     return Placement(slot_expert, replicas, num_devices)
+
+
+def _hierarchical(load: np.ndarray, num_redundant: int, num_devices: int, num_nodes: int) -> Placement:
+    L, E = load.shape
+    if num_devices % num_nodes or E % num_nodes:
+        raise ValueError(f"{E} experts over {num_devices} expert-parallel devices on {num_nodes} nodes: the nodes "
+                         "must divide both")
+    per_node = num_devices // num_nodes
+    S = E + num_redundant
+    slot_expert, replicas = np.empty((L, S), np.int64), np.empty((L, E), np.int64)
+    for layer in range(L):
+        node = pack(load[layer], num_nodes)  # E / nodes experts each, heaviest first onto the lightest node
+        for n in range(num_nodes):
+            mine = np.flatnonzero(node == n)
+            sub = plan(load[layer:layer + 1, mine], num_redundant // num_nodes, per_node)
+            block = slice(n * S // num_nodes, (n + 1) * S // num_nodes)  # node n's devices' slots
+            slot_expert[layer, block] = mine[sub.slot_expert[0]]
+            replicas[layer, mine] = sub.replicas[0]
+    return Placement(slot_expert, replicas, num_devices)
+
+
+def node_count(devices: list) -> int:
+    """How many hosts an expert-parallel group of `devices` (in slot order) spans, when each host's devices
+    are one contiguous run of it (the hierarchical placement's assumption); 1 otherwise."""
+    hosts = [getattr(d, "process_index", 0) for d in devices]
+    runs = [h for i, h in enumerate(hosts) if i == 0 or h != hosts[i - 1]]
+    n = len(set(hosts))
+    return n if len(runs) == n and len(devices) % n == 0 else 1
 
 
 def _packed(load: np.ndarray, counts: np.ndarray, num_devices: int) -> tuple[float, np.ndarray, np.ndarray]:

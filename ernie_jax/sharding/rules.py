@@ -122,6 +122,15 @@ class ShardingPlan:
             parts.append(axes if len(axes) > 1 else (axes[0] if axes else None))
         return P(*parts)
 
+    def expert_devices(self) -> list:
+        """The devices of one expert-parallel group in the order the experts' slots are split over them (the
+        "experts" axes, first major; the other axes at index 0)."""
+        names = list(self.mesh.axis_names)
+        axes = [names.index(a) for a in self.axes_of("experts")]
+        rest = [i for i in range(len(names)) if i not in axes]
+        devices = np.transpose(self.mesh.devices, rest + axes)
+        return list(devices[(0,) * len(rest)].reshape(-1))
+
     def named(self, spec: P) -> NamedSharding:
         return NamedSharding(self.mesh, spec)
 
