@@ -8,14 +8,15 @@ carrying their shardings, on as many fake CPU devices as the mesh needs (set up 
 programs are engine.programs.step_program, lowered by lower_step exactly as ModelPrograms lowers its
 buckets, with the execution config a GPU selects without kernels (the Pallas kernels are not
 partitioned by XLA:CPU): prefill = one chunk of `--prefill-tokens` tokens, decode = one token for each of
-`--max-num-seqs` sequences (with `--speculative-config`, the MTP programs: prefill drafting after the chunk,
-decode verifying k drafts, k + 1 tokens per sequence), over the pools the engine allocates where devices report no memory limit
-(max_num_seqs x pages per sequence; under PD each submesh's pool that size; on GPUs the engine sizes its
-pools from memory instead, which is what "KV tokens that fit" estimates). Per
-device it reports weights and KV bytes (exact, from the shardings), temporaries (XLA:CPU's figure, shown
-but not trusted: XLA:CPU upcasts bf16 dot operands and decomposes ragged_dot densely, so its temporaries
-do not predict a GPU's, ANCHORS P10), XLA's FLOP estimate for one device's program, the compile time, and how many tokens of KV fit per submesh on an
-H200 (141 GB) and an H100 (80 GB) once the weights are resident, at vLLM's default 0.9 memory utilisation.
+`--max-num-seqs` sequences (with `--speculative-config`, the MTP programs: prefill drafting after the
+chunk, decode verifying k drafts, k + 1 tokens per sequence), over the pools the engine allocates where
+devices report no memory limit (max_num_seqs x pages per sequence; under PD each submesh's pool that
+size; on GPUs the engine sizes its pools from memory instead, which is what "KV tokens that fit"
+estimates). Per device it reports weights and KV bytes (exact, from the shardings), temporaries (XLA:CPU's
+figure, shown but not trusted: XLA:CPU upcasts bf16 dot operands and decomposes ragged_dot densely, so its
+temporaries do not predict a GPU's, ANCHORS P10), XLA's FLOP estimate for one device's program, the
+compile time, and how many tokens of KV fit per submesh on an H200 (141 GB) and an H100 (80 GB) once the
+weights are resident, at vLLM's default 0.9 memory utilisation.
 """
 
 from __future__ import annotations
@@ -134,11 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     devices = jax.devices()[:n]
     prefill_tokens = args.prefill_tokens or min(args.max_model_len, 8192)
     page = args.block_size
-    max_pages = -(-args.max_model_len // page)
-    decode_pool = args.max_num_seqs * max_pages + 1  # Engine's pool where devices report no memory limit
-    table_pages = -(-(args.max_model_len + 4 * k + 1) // page) if k else max_pages  # as the Engine widens them
+    from ernie_jax.engine.programs import table_pages
+    decode_pool = args.max_num_seqs * table_pages(args.max_model_len, page) + 1  # the Engine's rule (no memory limit)
     common = dict(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, rules=args.sharding,
-                  page_size=page, max_pages=table_pages, k=k)
+                  page_size=page, max_pages=table_pages(args.max_model_len, page, k), k=k)
     prefill_devs = devices[:p_dev]
     decode_devs = devices[p_dev:p_dev + d_dev] if disagg else devices
     prefill_pool = decode_pool  # each PD submesh's pool is sized by the same rule
@@ -157,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.model} ({args.quantization or 'bf16'} weights, {args.kv_cache_dtype} KV), "
           f"{'disaggregated' if disagg else 'colocated'} on {n} devices"
           f"{f', MTP with {k} draft tokens' if k else ''}; ops: {report['decode']['execution']}")
-    print("| program | devices | weights GB | KV pool GB | weights+KV GB | temp GB (XLA:CPU) | GFLOP (XLA) | compile s | "
-          "KV tokens that fit, H200 | H100 |")
+    print("| program | devices | weights GB | KV pool GB | weights+KV GB | temp GB (XLA:CPU) | GFLOP (XLA) | "
+          "compile s | KV tokens that fit, H200 | H100 |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in ("prefill", "decode"):
         r = report[name]

@@ -24,7 +24,8 @@ import numpy as np
 from ernie_jax.engine.instance import Instance
 from ernie_jax.engine.pages import PagePool
 from ernie_jax.engine.policy import PDPolicy
-from ernie_jax.engine.programs import ModelPrograms, PageTransfer, buckets, decode_buckets, min_decode_rows, prefill_shapes
+from ernie_jax.engine.programs import (ModelPrograms, PageTransfer, buckets, decode_buckets, min_decode_rows,
+                                       prefill_shapes, table_pages)
 from ernie_jax.engine.request import Request, RequestError, RequestMetrics
 from ernie_jax.engine.speculative import SpecDecodeStats, SpeculativeConfig
 from ernie_jax.model.ernie import ErnieForCausalLM
@@ -85,18 +86,15 @@ class Engine:
         self.spec_stats = SpecDecodeStats(k)
         self.balancer = expert_balancer
         self.max_num_seqs, self.max_model_len, self.page_size = max_num_seqs, max_model_len, page_size
-        self.max_pages = -(-max_model_len // page_size)
+        self.max_pages = table_pages(max_model_len, page_size)
         self.prefill_chunk = min(prefill_chunk, self.max_pages * page_size)
         self.eos_token_ids, self.tokenizer = frozenset(eos_token_ids), tokenizer
         t0 = time.perf_counter()
         chunks = buckets(self.prefill_chunk, 16)
         batches = decode_buckets(max_num_seqs, min_decode_rows(model), batch_invariant)
         prefills = prefill_shapes(chunks, prefill_chunk, 1 if batch_invariant else max_num_seqs)
-        # A speculative step writes past a sequence's last token: the k drafts, the MTP block's chained drafts,
-        # and, after a step still in flight, up to k + 1 tokens more. Slots past the pages a request holds go
-        # to the null page through the table's padding, so the tables (and the rotary table) are that much wider.
-        table_pages = -(-(max_model_len + 4 * k + 1) // page_size) if k else self.max_pages
-        pool = dict(num_pages=num_pages, page_size=page_size, max_pages_per_seq=table_pages, speculative_tokens=k,
+        pool = dict(num_pages=num_pages, page_size=page_size, speculative_tokens=k,
+                    max_pages_per_seq=table_pages(max_model_len, page_size, k),
                     expert_placement=expert_balancer.placement if expert_balancer else None,
                     kv_cache_dtype=kv_cache_dtype, batch_invariant=batch_invariant,
                     memory_utilization=gpu_memory_utilization,

@@ -151,6 +151,14 @@ def cpu_expert_groups(num_experts: int) -> int:
     return max(g for g in range(1, max(1, min(cores, num_experts)) + 1) if num_experts % g == 0)
 
 
+def table_pages(max_model_len: int, page_size: int, k: int = 0) -> int:
+    """Block-table width (pages) of a sequence: max_model_len's pages, or with k speculative tokens enough
+    for what a step writes past the last token (the k drafts, the MTP block's chained drafts and, after a
+    step still in flight, k + 1 more); slots past the pages a request holds go to the null page through the
+    table's padding."""
+    return -(-(max_model_len + (4 * k + 1 if k else 0)) // page_size)
+
+
 def decode_buckets(max_num_seqs: int, min_rows: int = 1, batch_invariant: bool = False) -> list[int]:
     """Decode batch sizes: powers of two from min_rows (min_decode_rows) up to max_num_seqs, or only
     max_num_seqs when batch_invariant."""

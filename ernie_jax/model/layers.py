@@ -24,7 +24,7 @@ from ernie_jax.ops.routed_experts import route, routed_experts, to_slots
 from ernie_jax.quant import BlockFP8
 from ernie_jax.sharding.attention import paged_attention_sharded
 from ernie_jax.sharding.expert_parallel import moe_ep
-from ernie_jax.sharding.fused import fused_groups, split_fused
+from ernie_jax.sharding.fused import fused_groups, fused_parts, split_fused
 from ernie_jax.sharding.linear import fp8_linear_sharded
 
 _NEG_INF = -1e30
@@ -105,8 +105,8 @@ def swiglu(x: jax.Array, up_gate, down, ex: ExecutionConfig = REFERENCE, plan=No
     group per tensor shard (sharding/fused.py). (Shared experts are split like the dense FFN, so both pass
     the dense leaves' names.)"""
     u = linear(x, up_gate, ex, plan, "up_gate")
-    half = u.shape[-1] // 2
-    gate, up = split_fused(u, (half, half), fused_groups(plan, None, "up_gate", up_gate))
+    parts, _ = fused_parts(None, "up_gate", u.shape[-1])
+    gate, up = split_fused(u, parts, fused_groups(plan, None, "up_gate", up_gate))
     return linear(dense.silu_mul(gate, up), down, ex, plan, "down")
 
 

@@ -68,6 +68,7 @@ class SimPrograms:
 class SimHost:
     """What an Instance asks of its Engine, on a virtual clock."""
     expert_shape = (0, 0)
+    balancer = None  # the simulator models fixed expert placement
 
     def __init__(self, cfg: SimConfig):
         self.cfg, self.clock = cfg, 0.0
@@ -79,8 +80,6 @@ class SimHost:
         self.waiting: list[Request] = []
         self.role_switches: dict[tuple[str, str, str], int] = {}
         self.placements: dict[tuple[str, str], int] = {}
-
-    balancer = None  # the simulator models fixed expert placement
 
     def observe_expert_load(self, counts) -> None:
         pass
