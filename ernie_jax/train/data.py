@@ -3,8 +3,11 @@
 A split becomes one token stream: each document's tokens then `</s>`. The training stream also holds chat
 turns made from the train documents (consecutive paragraphs a, b as ERNIE's chat template renders them:
 `<|begin_of_sentence|>User: a\\nAssistant: b<|end_of_sentence|>`), so the served model answers a chat prompt
-in the corpus's voice and ends its turn. The batch of step s is a function of (seed, s) alone, so a resumed
-run reads exactly the batches an uninterrupted one would.
+in the corpus's voice and ends its turn. Turns come from prose (every pair) and verse (every CHAT_EVERY-th
+pair, which keeps the many short ci from outweighing the prose), never from drama: a play's consecutive
+paragraphs are a speaker's name and a speech or a stage direction, and a model taught on them answered
+every English prompt with a stage direction. The batch of step s is a function of (seed, s) alone, so a
+resumed run reads exactly the batches an uninterrupted one would.
 
 Streams are cached as .npy files keyed by the corpus manifest and tokenizer hashes.
 """
@@ -16,10 +19,10 @@ import os
 
 import numpy as np
 
-from ernie_jax.train.corpus import load_corpus
+from ernie_jax.train.corpus import SOURCES, load_corpus
 from ernie_jax.train.vocab import CLS, EOS, SEP
 
-CHAT_EVERY = 6  # one chat turn per this many paragraph pairs of a train document
+CHAT_EVERY = {"prose": 1, "verse": 12}  # one chat turn per this many paragraph pairs, by the source's form
 CHAT_MAX_CHARS = 600  # longer paragraphs are not made into chat turns
 
 
@@ -30,11 +33,15 @@ def paragraphs(text: str) -> list[str]:
 
 
 def chat_turns(docs: list[dict]) -> list[tuple[str, str]]:
-    """(user, assistant) pairs: every CHAT_EVERY-th pair of consecutive short paragraphs of each document."""
+    """(user, assistant) pairs of consecutive short paragraphs of each prose or verse document."""
+    forms = {s.name: s.form for s in SOURCES}
     out = []
     for d in docs:
+        every = CHAT_EVERY.get(forms[d["source"]])
+        if every is None:
+            continue
         paras = paragraphs(d["text"])
-        for i in range(0, len(paras) - 1, CHAT_EVERY):
+        for i in range(0, len(paras) - 1, every):
             a, b = paras[i], paras[i + 1]
             if len(a) <= CHAT_MAX_CHARS and len(b) <= CHAT_MAX_CHARS:
                 out.append((a, b))
@@ -56,7 +63,7 @@ def build_stream(sp, docs: list[dict], with_chat: bool) -> np.ndarray:
 def _key(corpus: str, tokenizer_model: bytes, split: str, with_chat: bool) -> str:
     with open(os.path.join(corpus, "manifest.json"), "rb") as f:
         manifest = f.read()
-    h = hashlib.sha256(manifest + tokenizer_model + f"{split}:{with_chat}:{CHAT_EVERY}:{CHAT_MAX_CHARS}".encode())
+    h = hashlib.sha256(manifest + tokenizer_model + f"{split}:{with_chat}:{sorted(CHAT_EVERY.items())}:{CHAT_MAX_CHARS}".encode())
     return h.hexdigest()[:16]
 
 

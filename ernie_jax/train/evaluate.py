@@ -156,16 +156,19 @@ VARIANTS = (  # name, folder, dtype, fp8 compute, KV cache dtype
 )
 
 
-def evaluate(bf16: str, fp8: str, corpus: str, max_len: int = 256, variants=VARIANTS, log=print) -> dict:
+def evaluate(bf16: str, fp8: str, corpus: str, max_len: int = 256, variants=VARIANTS, log=print,
+             limit: int | None = None) -> dict:
     import sentencepiece as spm
 
     from ernie_jax.checkpoint.loader import load_pretrained
     from ernie_jax.train.data import build_stream
 
     sp = spm.SentencePieceProcessor(model_file=f"{bf16}/tokenizer.model")
-    docs = load_corpus(corpus, "heldout")
+    docs = load_corpus(corpus, "heldout")[:limit]
     rows, masks, owner = _windows(sp, docs, max_len)
     report = {"max_length": max_len, "documents": len(docs), "windows": len(rows), "variants": {}}
+    if not len(docs):
+        raise ValueError(f"{corpus}: no held-out documents to score (limit={limit})")
     cfg = None
     for name, which, dtype, compute, kv in variants:
         model = load_pretrained({"bf16": bf16, "fp8": fp8}[which], dtype=dtype, fp8_compute=compute)
@@ -199,9 +202,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fp8", required=True, help="FP8 Paddle model folder (the released one)")
     ap.add_argument("--corpus", required=True)
     ap.add_argument("--max-length", type=int, default=256, help="window length (lm-eval's max_length)")
+    ap.add_argument("--limit", type=int, default=None,
+                    help="score the first N held-out documents only (what lm_eval --limit N scores)")
+    ap.add_argument("--variants", default=None,
+                    help=f"comma-separated subset of {[v[0] for v in VARIANTS]} (default: all)")
     ap.add_argument("--json", default=None, help="write the full report here")
     args = ap.parse_args(argv)
-    report = evaluate(args.bf16, args.fp8, args.corpus, args.max_length)
+    variants = VARIANTS
+    if args.variants:
+        names = [n.strip() for n in args.variants.split(",")]
+        unknown = sorted(set(names) - {v[0] for v in VARIANTS})
+        if unknown:
+            ap.error(f"--variants: unknown {unknown}; known: {[v[0] for v in VARIANTS]}")
+        variants = tuple(v for v in VARIANTS if v[0] in names)
+    report = evaluate(args.bf16, args.fp8, args.corpus, args.max_length, variants, limit=args.limit)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -45,7 +45,7 @@ RECIPES = {
         "embedded", 8192,
         _model(hidden=256, layers=6, heads=4, kv_heads=2, dense_ffn=768, experts=16, k=4, expert_ffn=128,
                shared=2, first_moe=1, max_len=4096),
-        TrainConfig(steps=720, batch_size=12, seq_len=256, learning_rate=3e-3, warmup_steps=50,
+        TrainConfig(steps=2000, batch_size=12, seq_len=256, learning_rate=3e-3, warmup_steps=100,
                     compute_dtype="float32")),
     "ci-tiny": Recipe(
         "ci-tiny", 384,
