@@ -63,7 +63,8 @@ def build_stream(sp, docs: list[dict], with_chat: bool) -> np.ndarray:
 def _key(corpus: str, tokenizer_model: bytes, split: str, with_chat: bool) -> str:
     with open(os.path.join(corpus, "manifest.json"), "rb") as f:
         manifest = f.read()
-    h = hashlib.sha256(manifest + tokenizer_model + f"{split}:{with_chat}:{sorted(CHAT_EVERY.items())}:{CHAT_MAX_CHARS}".encode())
+    settings = f"{split}:{with_chat}:{sorted(CHAT_EVERY.items())}:{CHAT_MAX_CHARS}"
+    h = hashlib.sha256(manifest + tokenizer_model + settings.encode())
     return h.hexdigest()[:16]
 
 

@@ -165,10 +165,10 @@ def evaluate(bf16: str, fp8: str, corpus: str, max_len: int = 256, variants=VARI
 
     sp = spm.SentencePieceProcessor(model_file=f"{bf16}/tokenizer.model")
     docs = load_corpus(corpus, "heldout")[:limit]
+    if not docs:
+        raise ValueError(f"{corpus}: no held-out documents to score (limit={limit})")
     rows, masks, owner = _windows(sp, docs, max_len)
     report = {"max_length": max_len, "documents": len(docs), "windows": len(rows), "variants": {}}
-    if not len(docs):
-        raise ValueError(f"{corpus}: no held-out documents to score (limit={limit})")
     cfg = None
     for name, which, dtype, compute, kv in variants:
         model = load_pretrained({"bf16": bf16, "fp8": fp8}[which], dtype=dtype, fp8_compute=compute)
