@@ -7,7 +7,8 @@
 #   URL            server base, e.g. http://127.0.0.1:8000 (a trailing /v1 is accepted)
 #   TOKENIZER_DIR  local HF tokenizer folder (tokenizer.json + tokenizer_config.json)
 #   MODEL_NAME     the id the server serves (sent as "model" in every request)
-#   VENV           venv with `pip install aiperf 'lm_eval[api]'`
+#   VENV           venv with `pip install aiperf 'lm_eval[api]' transformers` (lm_eval 0.4.13's api extra
+#                  leaves out the transformers its tokenizer needs)
 # Env: OUT_DIR (artifacts; default a fresh /tmp dir), TOKENIZED_REQUESTS (True: lm_eval sends
 #      token ids; False: strings), AIPERF_ARGS (extra aiperf flags), LMEVAL_TASKS (default
 #      tiny_mc,heldout_rolling), LMEVAL_MAX_LENGTH (default 258: rolling windows of 256 tokens, the
@@ -18,7 +19,7 @@
 set -euo pipefail
 
 if [[ $# -lt 3 ]]; then
-  sed -n 5,12p "$0" >&2
+  sed -n 6,11p "$0" >&2
   exit 2
 fi
 URL="${1%/}"; URL="${URL%/v1}"

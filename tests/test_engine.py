@@ -16,7 +16,7 @@ from ernie_jax import LLM, RequestError, SamplingParams, SamplingParamsError, lo
 from ernie_jax.assets import EMBEDDED_MODEL_DIR
 from ernie_jax.engine.async_engine import AsyncEngine
 from ernie_jax.engine.policy import PDPolicy
-from ernie_jax.engine.programs import cpu_expert_groups, min_decode_rows
+from ernie_jax.engine.programs import compile_all, cpu_expert_groups, min_decode_rows
 from tests.conftest import GOLDEN
 
 SMALL = dict(max_model_len=64, max_num_seqs=4)
@@ -43,6 +43,20 @@ def llm(mode: str, kv: str = "auto") -> LLM:
     kw = {"pd": dict(mesh=8, prefill_devices=4), "colocated8": dict(mesh=8, disaggregate=False),
           "single": {}}[mode]
     return LLM(golden_model(), kv_cache_dtype=kv, **SMALL, **kw)
+
+
+def test_cancelled_compiles_are_skipped_so_shutdown_does_not_wait_for_them():
+    # one worker runs the jobs in order: the first cancels, the queued ones never start
+    cancelled, ran, done = threading.Event(), [], []
+
+    def job(i):
+        ran.append(i)
+        if i == 0:
+            cancelled.set()
+        return f"exe{i}"
+    compile_all({i: functools.partial(job, i) for i in range(4)}, lambda key, exe, s: done.append((key, exe)),
+                workers=1, cancelled=cancelled)
+    assert ran == [0] and done == [(0, "exe0")]
 
 
 @pytest.mark.parametrize("mode", ["single", "colocated8", "pd"])

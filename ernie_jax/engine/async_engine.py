@@ -76,7 +76,7 @@ class AsyncEngine:
         self.engine.abort(request_id)
 
     def shutdown(self) -> None:
-        self.engine.stop()
+        self.engine.shutdown()
 
     def _notify(self, req: Request) -> None:
         target = self._streams.get(req.request_id)

@@ -407,6 +407,12 @@ class Engine:
         """Whether start()'s instance threads are all running."""
         return bool(self._threads) and all(t.is_alive() for t in self._threads)
 
+    def shutdown(self) -> None:
+        """stop() for good: also skip the background compiles not started yet, so the process exits now."""
+        for inst in self.instances:
+            inst.programs.cancel_compiles()
+        self.stop()
+
     def stop(self) -> None:
         self._stop = True
         self.wake()

@@ -19,6 +19,7 @@ import concurrent.futures
 import functools
 import logging
 import os
+import threading
 import time
 from typing import Any, Callable
 
@@ -192,16 +193,21 @@ def prefill_shapes(chunk_lengths: list[int], token_budget: int, max_seqs: int,
 
 
 def compile_all(jobs: dict[Any, Callable[[], Any]], on_done: Callable[[Any, Any, float], None],
-                workers: int | None = None) -> None:
+                workers: int | None = None, cancelled: threading.Event | None = None) -> None:
     """Run compile jobs on a thread pool (XLA compiles without the GIL, so start-up uses every core) and
-    hand each result to on_done(key, result, seconds) as it finishes."""
+    hand each result to on_done(key, result, seconds) as it finishes. Jobs not started when `cancelled` is
+    set are skipped: the interpreter joins pool threads at exit, so a shutdown would otherwise wait for
+    every queued compile."""
     def timed(job):
+        if cancelled is not None and cancelled.is_set():
+            return None
         t0 = time.perf_counter()
         return job(), time.perf_counter() - t0
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
         futures = {pool.submit(timed, job): key for key, job in jobs.items()}
         for f in concurrent.futures.as_completed(futures):
-            on_done(futures[f], *f.result())
+            if (done := f.result()) is not None:
+                on_done(futures[f], *done)
 
 
 def step_program(cfg, plan, ex, weight_shardings, cache_shardings, replicated, batch_invariant: bool = False,
@@ -323,6 +329,7 @@ class ModelPrograms:
         largest = {("prefill", (1, max(T for _, T in prefill_buckets)))} if prefill_buckets else set()
         largest |= {("decode", max(decode_buckets))} if decode_buckets else set()
         self.pending = len(lowered)  # buckets not compiled yet
+        self._cancelled = threading.Event()
         compile_all({k: functools.partial(job, k) for k in largest}, self._publish)
         self._rest = {k: functools.partial(job, k) for k in lowered if k not in largest}
 
@@ -332,8 +339,15 @@ class ModelPrograms:
         if not jobs:
             return
         t0 = time.perf_counter()
-        compile_all(jobs, self._publish, workers)
-        log.info("%s: %d more buckets compiled in %.1f s", self.name, len(jobs), time.perf_counter() - t0)
+        compile_all(jobs, self._publish, workers, self._cancelled)
+        if self._cancelled.is_set():
+            log.info("%s: background compiling stopped, %d buckets left", self.name, self.pending)
+        else:
+            log.info("%s: %d more buckets compiled in %.1f s", self.name, len(jobs), time.perf_counter() - t0)
+
+    def cancel_compiles(self) -> None:
+        """Skip the buckets compile_rest() has not started (a shutting-down engine never uses them)."""
+        self._cancelled.set()
 
     def _publish(self, key: tuple[str, int], exe, seconds: float) -> None:
         kind, size = key
