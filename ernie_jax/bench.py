@@ -163,13 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.command != "offline":
         return args.run(args)
-    if args.mesh:
-        n = 1
-        for part in str(args.mesh).split(","):
-            n *= int(part.rpartition("=")[2])
-        if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                       f" --xla_force_host_platform_device_count={n}").strip()
+    from ernie_jax.sharding.mesh import request_host_devices
+    request_host_devices(args.mesh)
     return offline(args)
 
 

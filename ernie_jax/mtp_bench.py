@@ -65,6 +65,8 @@ def h200_verify_cost(batch: int, k: int, context: int = 2048) -> tuple[float, fl
 
 
 def mtp(args) -> int:
+    from ernie_jax.sharding.mesh import request_host_devices
+    request_host_devices(args.mesh)
     from ernie_jax import LLM, SamplingParams
     from ernie_jax.assets import EMBEDDED_MODEL_DIR
     from ernie_jax.engine.speculative import SpeculativeConfig

@@ -10,7 +10,6 @@ between two decode steps; disaggregated, the decode instance keeps stepping besi
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -66,9 +65,8 @@ def _mode(args, name: str):
 
 
 def itl(args) -> int:
-    if args.mesh > 1:
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={args.mesh}").strip()
+    from ernie_jax.sharding.mesh import request_host_devices
+    request_host_devices(args.mesh)
     rows = {name: _mode(args, name) for name in args.modes.split(",")}
     ms = lambda xs, q: np.percentile(xs, q) * 1e3 if xs else float("nan")  # noqa: E731
     print(f"{args.streams} streams decoding while a {args.prompt_len}-token prompt prefills in chunks of "

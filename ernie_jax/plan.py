@@ -31,13 +31,6 @@ GPUS = {"H200": 141e9, "H100": 80e9}
 UTILIZATION = 0.9  # vLLM's default --gpu-memory-utilization
 
 
-def _setup_devices(n: int) -> None:
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-
 def plan_program(cfg, devices, mesh_spec, *, quantization, kv_cache_dtype, batch, tokens, num_pages, page_size,
                  max_pages, rules="tp_ep", kind="step", k=0) -> dict:
     """kind: step_program's ("step", or "spec_prefill" / "verify" with k MTP drafts: the pool then holds the
@@ -109,11 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
-    # JAX must not start before the fake devices are configured, so the spec is read here by hand
-    # (make_mesh validates it properly below).
-    n = 1
-    for part in str(args.mesh).split(","):
-        n *= int(part.rpartition("=")[2])
+    from ernie_jax.sharding.mesh import MeshError, request_host_devices
+    try:
+        n = request_host_devices(args.mesh)  # before JAX creates its backends: plans compile on host devices
+    except MeshError as e:
+        ap.error(f"--mesh: {e}")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     disagg = args.prefill_devices is not None or args.decode_devices is not None
     p_dev = args.prefill_devices if disagg else n
     d_dev = args.decode_devices if args.decode_devices is not None else (n - p_dev if disagg else n)
@@ -125,7 +119,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         ap.error(f"--speculative-config: {e}")
     k = spec.num_speculative_tokens if spec else 0
-    _setup_devices(n)
     import jax
 
     from ernie_jax.config import PRESETS, ErnieConfig

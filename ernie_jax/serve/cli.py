@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import signal
 import sys
@@ -83,31 +82,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def mesh_size(mesh: str | None) -> int:
-    if not mesh:
-        return 1
-    if mesh.isdigit():
-        return int(mesh)
-    try:
-        return math.prod(int(part.split("=")[1]) for part in mesh.split(","))
-    except (IndexError, ValueError):
-        raise SystemExit(f"--mesh {mesh!r}: expected a device count or 'data=D,expert=E,tensor=T'") from None
-
-
-def setup_host_devices(n: int) -> None:
-    """Ask XLA for n host (CPU) devices. Must run before JAX initialises; it changes only the CPU
-    platform, so on a GPU machine the GPUs stay the default devices."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if n > 1 and "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-
-
 def main(argv: list[str] | None = None) -> int:
     launched = time.perf_counter()
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    n_devices = mesh_size(args.mesh)
-    setup_host_devices(n_devices)
+    from ernie_jax.sharding.mesh import MeshError, request_host_devices
+    try:
+        n_devices = request_host_devices(args.mesh)
+    except MeshError as e:
+        raise SystemExit(f"--mesh: {e}") from None
 
     import jax
     import uvicorn

@@ -9,6 +9,8 @@ Meshes are of AxisType.Auto (ANCHORS P1): programs are sharded by their input/ou
 
 from __future__ import annotations
 
+import math
+import os
 from typing import Sequence
 
 import jax
@@ -52,6 +54,18 @@ def parse_mesh_spec(spec: int | str | dict[str, int]) -> dict[str, int]:
     if bad:
         raise MeshError(f"mesh spec {spec!r}: axis sizes must be >= 1, got {bad}")
     return {a: sizes.get(a, 1) for a in AXES}
+
+
+def request_host_devices(spec: int | str | dict[str, int] | None) -> int:
+    """Ask XLA for as many host (CPU) devices as the mesh `spec` needs and return that count, so a CPU-only
+    machine gets fake devices to build the mesh on. Must run before JAX creates its backends (importing jax
+    is fine); it changes only the CPU platform, so on a GPU machine the GPUs stay the default devices. A
+    device count already in XLA_FLAGS wins."""
+    n = math.prod(parse_mesh_spec(spec).values()) if spec else 1
+    flags = os.environ.get("XLA_FLAGS", "")
+    if n > 1 and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    return n
 
 
 def make_mesh(spec: int | str | dict[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import sys
 import time
 
@@ -61,9 +60,8 @@ def _p50(xs) -> float:
 
 
 def calibrate(args) -> int:
-    if args.mesh > 1:
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={args.mesh}").strip()
+    from ernie_jax.sharding.mesh import request_host_devices
+    request_host_devices(args.mesh)
     from ernie_jax import LLM
     from ernie_jax.assets import EMBEDDED_MODEL_DIR
     from ernie_jax.engine.programs import min_decode_rows
