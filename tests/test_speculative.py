@@ -88,12 +88,14 @@ def test_greedy_verification_and_max_accept():
     assert np.asarray(tokens).tolist() == [[2, 3, 4], [2, 3, 4], [2, 3, 4]]  # greedy rows emit the argmax path
 
 
+# 64-token prefill chunks and 128-token sequences: 5 programs per engine instead of 10, which halves the
+# default suite's cold compile of this file (the prompts here are 10 to 40 tokens)
+EMBEDDED = dict(max_model_len=128, prefill_chunk=64, max_num_seqs=4)
+
+
 @functools.lru_cache(maxsize=None)
-def embedded(k: int = 0, **kw) -> LLM:
-    # 64-token prefill chunks and 128-token sequences: 5 programs per engine instead of 10, which halves the
-    # default suite's cold compile of this file (the prompts here are 10 to 40 tokens)
-    return LLM(EMBEDDED_MODEL_DIR, speculative_config=spec(k) if k else None,
-               **{"max_model_len": 128, "prefill_chunk": 64, "max_num_seqs": 4, **kw})
+def embedded(k: int = 0) -> LLM:
+    return LLM(EMBEDDED_MODEL_DIR, **EMBEDDED, speculative_config=spec(k) if k else None)
 
 
 def test_greedy_with_mtp_equals_greedy_without_on_the_trained_model():
@@ -156,7 +158,7 @@ def test_preemption_and_prefix_caching_stay_exact_with_mtp():
     qs = ["Tell me about the sea.", "Who is Hamlet?", "你好", "What is love?", "说说曹操。", "Describe the whale."]
     prompts = [base.tokenizer.encode_chat([system, {"role": "user", "content": q}]) for q in qs]
     want = greedy(base, prompts, 60)
-    llm = embedded(2, max_num_seqs=6, num_pages=17)
+    llm = LLM(EMBEDDED_MODEL_DIR, **{**EMBEDDED, "max_num_seqs": 6}, num_pages=17, speculative_config=spec(2))
     assert greedy(llm, prompts, 60) == want
     e = llm.engine
     assert e.counter("num_preemptions") > 0 and e.counter("prefix_hits") >= 16 and e.spec_stats.num_accepted_tokens > 0
