@@ -12,7 +12,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ernie_jax import bench, serve_bench
+from ernie_jax.bench import cli as bench_cli
+from ernie_jax.bench import serve as serve_bench
 
 # Seconds: the mock's first-chunk delay, inter-chunk delay, and slow first chunk. Bounds on measured times leave
 # room for scheduler noise (the test shares its CPUs with other jobs), so SLOW_FIRST sits far above FIRST.
@@ -203,7 +204,7 @@ def test_request_rate_and_ranges(mock):
 def test_cli_json_and_errors(mock, tmp_path, capsys):
     url, state = mock
     out = tmp_path / "r.json"
-    assert bench.main(["serve", "--url", url + "/v1/", "--num-prompts", "3", "--input-len", "4", "--output-len",
+    assert bench_cli.main(["serve", "--url", url + "/v1/", "--num-prompts", "3", "--input-len", "4", "--output-len",
                        "2", "--goodput", "e2el:10000", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "Serving Benchmark Result" in printed and "Request goodput (req/s):" in printed and "P99 ITL" in printed
@@ -243,16 +244,16 @@ def test_server_down(capsys):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed once the block ends: nothing listens there
-    assert bench.main(["serve", "--url", f"http://127.0.0.1:{port}"]) == 1
+    assert bench_cli.main(["serve", "--url", f"http://127.0.0.1:{port}"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: cannot reach") and "Traceback" not in err
-    assert bench.main(["serve", "--url", f"http://127.0.0.1:{port}", "--model", "m"]) == 1
+    assert bench_cli.main(["serve", "--url", f"http://127.0.0.1:{port}", "--model", "m"]) == 1
     assert "warm-up request" in capsys.readouterr().err
 
 
 def test_spec_decode_figures_from_two_metrics_scrapes():
     """bench serve reports speculative decoding (vLLM's figures) from the server's counters before and after."""
-    from ernie_jax.serve_bench import parse_spec_counters, spec_decode_metrics
+    from ernie_jax.bench.serve import parse_spec_counters, spec_decode_metrics
 
     def scrape(drafts, accepted, per_pos):
         return parse_spec_counters(

@@ -9,7 +9,7 @@ capacity: N chats without max_tokens on the embedded model (so a request's worst
 that stop on their own, on a pool too small for their worst cases but big enough for their real lengths;
 reports the peak of requests holding a seat, steps, wall time, output tokens/s and preemptions. It uses only
 the engine API older commits have as well (add_request, step, running, prefilling), so running this file
-as a script against an older checkout (`PYTHONPATH=OLD python ernie_jax/kv_bench.py capacity`) measures
+as a script against an older checkout (`PYTHONPATH=OLD python ernie_jax/bench/kv.py capacity`) measures
 the reserve-the-worst-case rule on the same machine.
 """
 
@@ -129,7 +129,7 @@ def add_parsers(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kv_bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="ernie_jax/bench/kv.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_parsers(ap.add_subparsers(dest="command", required=True))
     args = ap.parse_args(argv)
     return args.run(args)

@@ -1,8 +1,4 @@
-"""Benchmarks: `python -m ernie_jax.bench offline ...` (the offline engine, optionally against HF) and
-`python -m ernie_jax.bench serve ...` (a running OpenAI-compatible server, like `vllm bench serve`; see
-ernie_jax/serve_bench.py and `serve --help`), `prefix` and `capacity` (KV memory: ernie_jax/kv_bench.py), `itl` (decode latency during a long prefill
-under PD: ernie_jax/pd_bench.py), `mtp` (MTP speculative decoding against plain: ernie_jax/mtp_bench.py),
-`eplb` (expert-parallel balancedness with redundant experts: ernie_jax/eplb_bench.py).
+"""`python -m ernie_jax.bench offline`: the offline engine on a batch of random prompts, optionally against HF.
 
     python -m ernie_jax.bench offline --model bench-512 --num-prompts 16 --input-len 128 --output-len 128 \\
         [--compare-hf] [--mesh 8 --prefill-devices 4] [--dtype float32]
@@ -16,15 +12,11 @@ transformers (saved and loaded through the HF layout, so both stacks run identic
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 import tempfile
 import time
 
 import numpy as np
-
-from ernie_jax import eplb_bench, kv_bench, mtp_bench, pd_bench
 
 
 def _percentiles(xs: list[float]) -> str:
@@ -55,6 +47,8 @@ def _hf_model(cfg, folder: str, dtype: str):
 
 
 def offline(args) -> int:
+    from ernie_jax.sharding.mesh import request_host_devices
+    request_host_devices(args.mesh)
     from ernie_jax import LLM, SamplingParams
     from ernie_jax.config import PRESETS, ErnieConfig
 
@@ -127,15 +121,8 @@ def offline(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["serve"]:
-        # The HTTP client owns its own arguments and must not pull in the engine.
-        from ernie_jax import serve_bench
-        return serve_bench.main(argv[1:])
-    ap = argparse.ArgumentParser(prog="python -m ernie_jax.bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="command", required=True)
+
+def add_parsers(sub) -> None:
     off = sub.add_parser("offline", help="the offline engine on a batch of random prompts")
     off.add_argument("--model", default="bench-512", help="preset or checkpoint folder")
     off.add_argument("--num-prompts", type=int, default=16)
@@ -155,18 +142,4 @@ def main(argv: list[str] | None = None) -> int:
                           '(random prompts: `bench mtp` measures it on text)')
     off.add_argument("--compare-hf", action="store_true", help="also time HF transformers generate (needs torch)")
     off.add_argument("--repeats", type=int, default=3, help="timed runs per stack (alternating with HF)")
-    sub.add_parser("serve", add_help=False, help="a running OpenAI-compatible server under load (`serve --help`)")
-    kv_bench.add_parsers(sub)
-    pd_bench.add_parsers(sub)
-    mtp_bench.add_parsers(sub)
-    eplb_bench.add_parsers(sub)
-    args = ap.parse_args(argv)
-    if args.command != "offline":
-        return args.run(args)
-    from ernie_jax.sharding.mesh import request_host_devices
-    request_host_devices(args.mesh)
-    return offline(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    off.set_defaults(run=offline)
