@@ -1,6 +1,7 @@
 """The engine: PD disaggregation and colocated modes, paged pools, continuous batching, sampling, aborts."""
 
 import asyncio
+import concurrent.futures
 import functools
 import os
 import re
@@ -57,6 +58,17 @@ def test_cancelled_compiles_are_skipped_so_shutdown_does_not_wait_for_them():
     compile_all({i: functools.partial(job, i) for i in range(4)}, lambda key, exe, s: done.append((key, exe)),
                 workers=1, cancelled=cancelled)
     assert ran == [0] and done == [(0, "exe0")]
+
+
+def test_cancelled_compile_all_makes_no_thread_pool(monkeypatch):
+    # After a shutdown the background thread moves on to the next instance's buckets while the interpreter
+    # exits, when a new pool raises; a cancelled compile_all must not make one.
+    def refuse(*args, **kwargs):
+        raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+    monkeypatch.setattr(concurrent.futures, "ThreadPoolExecutor", refuse)
+    cancelled = threading.Event()
+    cancelled.set()
+    compile_all({0: lambda: "exe0"}, lambda *a: pytest.fail("a cancelled job ran"), workers=1, cancelled=cancelled)
 
 
 @pytest.mark.parametrize("mode", ["single", "colocated8", "pd"])

@@ -197,7 +197,11 @@ def compile_all(jobs: dict[Any, Callable[[], Any]], on_done: Callable[[Any, Any,
     """Run compile jobs on a thread pool (XLA compiles without the GIL, so start-up uses every core) and
     hand each result to on_done(key, result, seconds) as it finishes. Jobs not started when `cancelled` is
     set are skipped: the interpreter joins pool threads at exit, so a shutdown would otherwise wait for
-    every queued compile."""
+    every queued compile. Once `cancelled` is set no pool is made at all: at interpreter exit a new pool
+    refuses work ("cannot schedule new futures after interpreter shutdown")."""
+    if cancelled is not None and cancelled.is_set():
+        return
+
     def timed(job):
         if cancelled is not None and cancelled.is_set():
             return None
