@@ -81,12 +81,24 @@ class Tokenizer:
             i in self._skip or self.sp.is_control(i) or self.sp.is_unknown(i)))]
         return self.sp.decode(keep)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, as OpenAI's logprobs `bytes` carry them: a byte piece "<0xNN>" is
+        the single byte NN, so a client can join a multi-byte character's tokens back into text."""
+        if 0 <= token_id < self.vocab_size and self.sp.is_byte(token_id):
+            return bytes([int(self.sp.id_to_piece(token_id)[3:5], 16)])
+        return self.token_text(token_id).encode()
+
     def token_text(self, token_id: int) -> str:
-        """One token as logprobs show it: its piece with SentencePiece's word marker as a space (a byte
-        piece stays "<0xNN>", since alone it is not text)."""
+        """One token as logprobs show it: its piece with SentencePiece's word marker as a space; a byte
+        piece is its character when that byte is a whole one (ASCII: "<0x0A>" is a newline) and stays
+        "<0xNN>" when it is part of a multi-byte character, since alone it is not text."""
         if not 0 <= token_id < self.vocab_size:
             return f"<id:{token_id}>"  # an embedding row past the tokenizer's pieces
-        return self.sp.id_to_piece(token_id).replace("\u2581", " ")
+        piece = self.sp.id_to_piece(token_id)
+        if self.sp.is_byte(token_id):
+            byte = int(piece[3:5], 16)
+            return chr(byte) if byte < 0x80 else piece
+        return piece.replace("\u2581", " ")
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """ERNIE's chat template; message content is a string or a list of {"type": "text", "text": ...}."""

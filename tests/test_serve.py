@@ -203,6 +203,10 @@ def test_logprobs_and_extensions(client):
     for e in content:
         assert len(e.top_logprobs) == 3 and e.logprob <= 0
         assert e.logprob == pytest.approx(e.top_logprobs[0].logprob)  # greedy picks the top token
+    r = client.chat.completions.create(model=EMBEDDED_MODEL_NAME, messages=[{"role": "user", "content": "你好"}],
+                                       max_tokens=12, temperature=0, logprobs=True)
+    message = r.choices[0].message.content
+    assert message and bytes(b for e in r.choices[0].logprobs.content for b in e.bytes).decode() == message
     # ignore_eos + min_tokens + penalties + continuous usage stats in a stream
     chunks = list(client.chat.completions.create(
         model=EMBEDDED_MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=9, temperature=0,
@@ -243,7 +247,9 @@ def test_echo_prompt_logprobs(client, tokenizer):
 BAD = [  # (route, body or raw text, status, words the message must contain)
     ("/v1/chat/completions", "{not json", 400, "not valid JSON"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400,
-     "temperature"),
+     "'temperature': Input should be a valid number"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": True}, 400,
+     "'top_p': Input should be a valid number"),
     ("/v1/chat/completions", {"model": EMBEDDED_MODEL_NAME}, 400, "messages"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "role"),

@@ -64,6 +64,18 @@ def test_streaming_detokenization_never_splits_utf8(tokenizer_dir):
     assert "".join(deltas) == tok.decode(ids) == text
 
 
+def test_token_bytes_join_back_into_text(tokenizer_dir):
+    # OpenAI's logprobs `bytes`: a client joining the tokens' bytes gets the text, raw-byte pieces included
+    tok = Tokenizer.from_pretrained(str(tokenizer_dir))
+    text = "line one\n龘靐齉 two"
+    ids = tok.encode(text)
+    assert b"".join(tok.token_bytes(i) for i in ids).decode() == tok.decode(ids) == text
+    newline = tok.token_id("<0x0A>")
+    assert tok.token_bytes(newline) == b"\n" and tok.token_text(newline) == "\n"  # an ASCII byte is its character
+    lead = tok.token_id("<0xE9>")  # a lone lead byte of a 3-byte character is not text
+    assert tok.token_bytes(lead) == b"\xe9" and tok.token_text(lead) == "<0xE9>"
+
+
 def test_llm_chat_and_text_stream(small_tokenizer_dir, tmp_path):
     d = tmp_path / "model"
     shutil.copytree(GOLDEN / "shared_untied" / "paddle", d)

@@ -400,8 +400,8 @@ class _ChatFormat(_Format):
 
     def _logprobs(self, lps: list[dict]) -> dict:
         def entry(token, lp):
-            text = self.token_text(token)
-            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+            return {"token": self.token_text(token), "logprob": lp,
+                    "bytes": list(self.server.tokenizer.token_bytes(token))}
         return {"content": [{**entry(e["token"], e["logprob"]), "top_logprobs": [entry(t, v) for t, v in e["top"]]}
                             for e in lps]}
 

@@ -8,13 +8,15 @@ come from the model's generation_config.json (ERNIE: temperature 0.8, top_p 0.8)
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from ernie_jax.sampling import MAX_LOGPROBS, SamplingParams
 
-Number = Union[StrictInt, StrictFloat]
+# JSON integers are taken (as floats), strings and booleans refused with one "valid number" error (a union of
+# int and float reported only its first alternative: "a valid integer").
+Number = StrictFloat
 
 
 class ProtocolError(ValueError):
