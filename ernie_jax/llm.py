@@ -1,9 +1,10 @@
 """The offline API, shaped like vLLM's and FastDeploy's: `LLM(model=...).generate(...)`.
 
-`LLM` loads a checkpoint folder (or builds a preset with random weights), places it on a mesh if asked
-(`mesh=8`: prefill on the first `prefill_devices`, decode on the rest, unless `disaggregate=False`), and
-runs every `generate` call through the continuous-batching engine (engine/engine.py). Requests are
-independent: a prompt gets the same greedy tokens alone or in any batch.
+`LLM` loads a checkpoint folder (by default the trained `ernie-4.5-tiny-fp8` shipped in the package) or builds
+a preset with random weights, places it on a mesh if asked (`mesh=8`: prefill on the first `prefill_devices`,
+decode on the rest, unless `disaggregate=False`), and runs every `generate` call through the continuous-batching
+engine (engine/engine.py). Requests are independent: a prompt gets the same greedy tokens alone or in any
+batch.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ernie_jax.assets import EMBEDDED_MODEL_DIR, EMBEDDED_MODEL_NAME
 from ernie_jax.config import PRESETS, ErnieConfig
 from ernie_jax.engine.engine import Engine
 from ernie_jax.engine.policy import PDPolicy
@@ -57,7 +59,7 @@ class LLM:
     that splits the experts.
     """
 
-    def __init__(self, model: str | ErnieForCausalLM, *, dtype: str = "bfloat16", seed: int = 0,
+    def __init__(self, model: str | ErnieForCausalLM | None = None, *, dtype: str = "bfloat16", seed: int = 0,
                  max_model_len: int | None = None, max_num_seqs: int = 8, quantization: str | None = None,
                  fp8_compute: str = "w8a8", kv_cache_dtype: str = "auto", mesh: int | str | None = None,
                  prefill_devices: int | None = None, disaggregate: bool = True, sharding: str = "tp_ep",
@@ -75,6 +77,8 @@ class LLM:
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         self.tokenizer: Tokenizer | None = None
         self.generation_config: dict = {}
+        if model is None or model == EMBEDDED_MODEL_NAME:  # the trained model shipped in the package, as `serve` uses
+            model = EMBEDDED_MODEL_DIR
         if isinstance(model, ErnieForCausalLM):
             cfg, weights, given = model.config, None, model
         elif isinstance(model, str) and os.path.isdir(model):
@@ -91,7 +95,8 @@ class LLM:
             given = ErnieForCausalLM(ErnieConfig.preset(model), rngs=nnx.Rngs(seed), dtype=jdtype)
             cfg, weights = given.config, None
         else:
-            raise ValueError(f"model {model!r} is neither a checkpoint folder nor a preset ({sorted(PRESETS)})")
+            raise ValueError(f"model {model!r} is neither a checkpoint folder, {EMBEDDED_MODEL_NAME!r} (the default) "
+                             f"nor a preset ({sorted(PRESETS)})")
         self.max_model_len = max_model_len or min(cfg.max_position_embeddings, 2048)
         eos = set(cfg.eos_token_id)
         gen_eos = self.generation_config.get("eos_token_id", [])

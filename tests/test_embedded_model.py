@@ -109,8 +109,9 @@ def test_load_pretrained_fp8():
 
 
 def test_llm_chat_generates_text():
-    # one decode and two prefill programs to compile (a chat prompt is a few tokens)
-    llm = LLM(EMBEDDED_MODEL_DIR, max_model_len=256, max_num_seqs=1, prefill_chunk=32)
+    # one decode and two prefill programs to compile (a chat prompt is a few tokens); no model: the shipped one
+    llm = LLM(max_model_len=256, max_num_seqs=1, prefill_chunk=32)
+    assert llm.tokenizer.model_file == os.path.join(EMBEDDED_MODEL_DIR, "tokenizer.model")
     tok = llm.tokenizer
     assert tok is not None and {2, tok.token_id("<|end_of_sentence|>")} <= set(llm.eos_token_ids)
     defaults = llm.get_default_sampling_params()
