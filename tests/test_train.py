@@ -196,6 +196,19 @@ def test_vocab_smaller_than_the_tokenizer_is_refused(tiny_corpus, tmp_path, monk
     assert not os.path.exists(tmp_path / "run" / "checkpoints")
 
 
+def test_corpus_with_more_characters_than_the_recipe_has_pieces_is_refused(tmp_path):
+    # 600 distinct CJK characters, each frequent enough to need a piece of its own, against 384 pieces
+    text = "".join(chr(0x4E00 + i) for i in range(600)) * 3
+    corpus_mod.write_corpus_folder(str(tmp_path / "corpus"), {
+        "train": [{"source": "songci", "doc": str(i), "text": text} for i in range(2)],
+        "heldout": [{"source": "songci", "doc": "h", "text": text}]}, {"sources": []})
+    corpus = str(tmp_path / "corpus")
+    with pytest.raises(RunError, match=r"recipe ci-tiny: its tokenizer is too small .*384 pieces cannot hold this "
+                                       r"text's \d+ required pieces"):
+        train(corpus, str(tmp_path / "run"), "ci-tiny", quiet=True)
+    assert os.listdir(tmp_path / "run") == []  # no tokenizer, run.json or checkpoint written
+
+
 def test_release_of_a_folder_without_checkpoint_writes_nothing(tmp_path):
     from ernie_jax.train.release import build
     os.makedirs(tmp_path / "run")

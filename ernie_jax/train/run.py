@@ -29,7 +29,7 @@ from ernie_jax.config import ErnieConfig
 from ernie_jax.train import data, recipes
 from ernie_jax.train.corpus import load_corpus
 from ernie_jax.train.step import TrainConfig, TrainState, eval_losses, init_params, init_state, train_step
-from ernie_jax.train.vocab import train_sentencepiece, write_tokenizer_files
+from ernie_jax.train.vocab import VocabError, train_sentencepiece, write_tokenizer_files
 
 HELDOUT_EVAL_BATCHES = 4
 
@@ -53,7 +53,11 @@ def prepare_tokenizer(run: str, corpus: str, recipe: recipes.Recipe, max_len: in
     if not os.path.exists(path):
         docs = load_corpus(corpus, "train")
         lines = [line for d in docs for line in d["text"].split("\n") if line.strip()]
-        proto = train_sentencepiece(lines, recipe.num_pieces)
+        try:
+            proto = train_sentencepiece(lines, recipe.num_pieces)
+        except VocabError as e:
+            raise RunError(f"recipe {recipe.name}: its tokenizer is too small for {corpus}: {e}; choose a recipe "
+                           "with more pieces (--recipe embedded)") from None
         write_tokenizer_files(folder + ".partial", proto, max_len)
         os.replace(folder + ".partial", folder)
     with open(path, "rb") as f:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 
 NUM_PIECES = 8192
 # Characters covered by pieces of their own; the rarest Chinese characters (0.05 % of characters) are
@@ -47,18 +48,30 @@ CHAT_TEMPLATE = (
 )
 
 
+class VocabError(ValueError):
+    """Text that a tokenizer of the asked size cannot be trained on; the message says what it would need."""
+
+
 def train_sentencepiece(lines: list[str], num_pieces: int = NUM_PIECES) -> bytes:
     """A SentencePiece BPE model (serialized) trained on `lines`, deterministic for the same lines."""
     import sentencepiece as spm
 
     buf = io.BytesIO()  # model_writer (not model_prefix): no output path is recorded in the model
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_writer=buf, model_type="bpe", vocab_size=num_pieces,
-        character_coverage=CHARACTER_COVERAGE, max_sentence_length=1 << 16, byte_fallback=True, split_digits=True,
-        normalization_rule_name="identity",
-        add_dummy_prefix=False, remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, unk_piece=UNK, bos_piece=BOS, eos_piece=EOS,
-        control_symbols=ERNIE_SPECIALS, num_threads=1, minloglevel=2)
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(lines), model_writer=buf, model_type="bpe", vocab_size=num_pieces,
+            character_coverage=CHARACTER_COVERAGE, max_sentence_length=1 << 16, byte_fallback=True,
+            split_digits=True, normalization_rule_name="identity",
+            add_dummy_prefix=False, remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
+            unk_id=0, bos_id=1, eos_id=2, pad_id=-1, unk_piece=UNK, bos_piece=BOS, eos_piece=EOS,
+            control_symbols=ERNIE_SPECIALS, num_threads=1, minloglevel=2)
+    except RuntimeError as e:
+        need = re.search(r"required_chars\. (\d+) vs (\d+)", str(e))
+        if need is None:
+            raise
+        raise VocabError(f"{num_pieces} pieces cannot hold this text's {need.group(2)} required pieces (the "
+                         f"characters covering {CHARACTER_COVERAGE:.2%} of it, plus the special and byte "
+                         "pieces)") from None
     return buf.getvalue()
 
 
