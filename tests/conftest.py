@@ -22,6 +22,7 @@ import pytest  # noqa: E402
 # cache): these cases run only under `make test-all` (-m ""). Each entry is a test and the parameter ids
 # that stay in the default suite (none: the whole test is slow); every other case of it is marked slow.
 SLOW_CASES: dict[str, tuple[str, ...]] = {
+    "test_embedded_model.py::test_generate_cli_defaults_to_the_shipped_model": (),
     "test_sharding.py::test_all_to_all_dispatch_matches_unsharded": (),
     "test_sharding.py::test_sharded_matches_unsharded": (),
     "test_sharding.py::test_other_presets": (),

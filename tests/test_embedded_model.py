@@ -179,3 +179,10 @@ def test_tokenizer_json_is_the_sentencepiece_model():
                        "<mask:5>", "<mask:6>", "<mask:7>"]
     assert sp.id_to_piece(0) == "<unk>" and sp.is_unknown(0)
     assert np.all([sp.is_byte(i) for i in range(10, 266)])
+
+
+def test_generate_cli_defaults_to_the_shipped_model(capsys):
+    from ernie_jax import generate
+    assert generate.main(["--prompt", "你好", "--max-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("loaded ernie-4.5-tiny-fp8: 6 layers") and "  text: '" in out
