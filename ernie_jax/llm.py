@@ -97,6 +97,9 @@ class LLM:
         else:
             raise ValueError(f"model {model!r} is neither a checkpoint folder, {EMBEDDED_MODEL_NAME!r} (the default) "
                              f"nor a preset ({sorted(PRESETS)})")
+        if max_model_len is not None and not 1 <= max_model_len <= cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len}: must be from 1 to the model's max_position_embeddings "
+                             f"({cfg.max_position_embeddings})")
         self.max_model_len = max_model_len or min(cfg.max_position_embeddings, 2048)
         eos = set(cfg.eos_token_id)
         gen_eos = self.generation_config.get("eos_token_id", [])

@@ -112,6 +112,14 @@ def test_bad_requests():
     assert len(ok[0].outputs[0].token_ids) == 3  # still serving after the errors
 
 
+@pytest.mark.parametrize("max_model_len", [0, -8, 4097])
+def test_bad_max_model_len_is_refused(max_model_len):
+    # 0 used to mean the default, silently; "tiny" declares 4096 positions (max_position_embeddings)
+    with pytest.raises(ValueError, match=rf"max_model_len={max_model_len}: must be from 1 to the model's "
+                                         r"max_position_embeddings \(4096\)"):
+        LLM("tiny", max_model_len=max_model_len)
+
+
 def test_text_prompts_with_a_sentencepiece_tokenizer(tmp_path):
     d = tmp_path / "model"
     shutil.copytree(GOLDEN / "shared_untied" / "paddle", d)

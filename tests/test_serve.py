@@ -282,6 +282,14 @@ def test_bad_input_is_rejected_and_server_keeps_serving(server, client, route, b
     assert ok.usage.completion_tokens == 2
 
 
+def test_bad_model_folder_or_setting_stops_the_cli_with_its_message(tmp_path):
+    from ernie_jax.serve import cli
+    with pytest.raises(SystemExit, match=r"^error: no config.json in '.*': an ERNIE-4.5 checkpoint folder needs one"):
+        cli.main(["--model", str(tmp_path)])
+    with pytest.raises(SystemExit, match=r"^error: max_model_len=0: must be from 1 to"):
+        cli.main(["--max-model-len", "0"])
+
+
 def test_api_key_is_required_on_v1_routes(server):
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         r = httpx.get(server["url"] + "/v1/models", headers=headers)

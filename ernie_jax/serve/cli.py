@@ -123,15 +123,18 @@ def main(argv: list[str] | None = None) -> int:
         eplb = EPLBConfig.parse(args.eplb_config)
     except ValueError as e:
         raise SystemExit(f"--eplb-config: {e}") from None
-    llm = LLM(model_dir, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-              mesh=args.mesh if n_devices > 1 else None, prefill_devices=args.prefill_devices,
-              disaggregate=args.disaggregate, sharding=args.sharding, page_size=args.block_size,
-              num_pages=args.num_gpu_blocks_override, gpu_memory_utilization=args.gpu_memory_utilization,
-              enable_prefix_caching=args.enable_prefix_caching, prefill_chunk=args.max_num_batched_tokens,
-              compilation_cache_dir=args.compilation_cache_dir or None, batch_invariant=args.batch_invariant,
-              background_compile=args.background_compile, kernels=args.kernels,
-              pd_policy=policy, speculative_config=speculative, eplb_config=eplb)
+    try:
+        llm = LLM(model_dir, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
+                  max_num_seqs=args.max_num_seqs, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                  mesh=args.mesh if n_devices > 1 else None, prefill_devices=args.prefill_devices,
+                  disaggregate=args.disaggregate, sharding=args.sharding, page_size=args.block_size,
+                  num_pages=args.num_gpu_blocks_override, gpu_memory_utilization=args.gpu_memory_utilization,
+                  enable_prefix_caching=args.enable_prefix_caching, prefill_chunk=args.max_num_batched_tokens,
+                  compilation_cache_dir=args.compilation_cache_dir or None, batch_invariant=args.batch_invariant,
+                  background_compile=args.background_compile, kernels=args.kernels,
+                  pd_policy=policy, speculative_config=speculative, eplb_config=eplb)
+    except ValueError as e:  # a bad checkpoint, config or setting: its message names it
+        raise SystemExit(f"error: {e}") from None
     if llm.tokenizer is None:
         raise SystemExit(f"{model_dir} has no tokenizer.model; the server needs one to render chats and text")
     _log_startup(llm, model_dir, args)

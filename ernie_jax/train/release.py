@@ -135,10 +135,12 @@ SAMPLE_PROMPTS = ("Tell me about the sea.", "What do you think of Mr. Darcy?", "
 
 def check(path: str) -> None:
     """Print what the model answers to a few chat prompts, greedy and with the default sampling."""
+    from ernie_jax.config import ErnieConfig
     from ernie_jax.llm import LLM
     from ernie_jax.sampling import SamplingParams
 
-    llm = LLM(path, max_model_len=512, max_num_seqs=2, prefill_chunk=64, compilation_cache_dir=None)
+    max_len = min(512, ErnieConfig.from_pretrained(path).max_position_embeddings)
+    llm = LLM(path, max_model_len=max_len, max_num_seqs=2, prefill_chunk=64, compilation_cache_dir=None)
     for label, sp in (("greedy", SamplingParams(temperature=0, max_tokens=48)),
                       ("sampled (T=0.8, top_p=0.8, seed 0)", SamplingParams(temperature=0.8, top_p=0.8, seed=0,
                                                                            max_tokens=48))):
