@@ -29,12 +29,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from ernie_jax import LLM, SamplingParams
+    from ernie_jax.assets import EMBEDDED_MODEL_NAME
 
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype)
     cfg = llm.model.config
     report = llm.engine.compile_report.programs
-    print(f"loaded {args.model or 'ernie-4.5-tiny-fp8'}: {cfg.num_hidden_layers} layers ({cfg.num_moe_layers} MoE, "
+    print(f"loaded {args.model or EMBEDDED_MODEL_NAME}: {cfg.num_hidden_layers} layers ({cfg.num_moe_layers} MoE, "
           f"{cfg.moe_num_experts} experts top-{cfg.moe_k}), hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
           f"{args.dtype}; engine ready in {time.perf_counter() - t0:.1f}s ({len(report)} programs compiled in "
           f"{sum(s for _, _, s in report):.1f}s)")

@@ -81,12 +81,17 @@ class Tokenizer:
             i in self._skip or self.sp.is_control(i) or self.sp.is_unknown(i)))]
         return self.sp.decode(keep)
 
+    def _byte(self, token_id: int) -> int | None:
+        """NN of a byte-fallback piece "<0xNN>"; None for any other token."""
+        if 0 <= token_id < self.vocab_size and self.sp.is_byte(token_id):
+            return int(self.sp.id_to_piece(token_id)[3:5], 16)
+        return None
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for, as OpenAI's logprobs `bytes` carry them: a byte piece "<0xNN>" is
         the single byte NN, so a client can join a multi-byte character's tokens back into text."""
-        if 0 <= token_id < self.vocab_size and self.sp.is_byte(token_id):
-            return bytes([int(self.sp.id_to_piece(token_id)[3:5], 16)])
-        return self.token_text(token_id).encode()
+        byte = self._byte(token_id)
+        return self.token_text(token_id).encode() if byte is None else bytes([byte])
 
     def token_text(self, token_id: int) -> str:
         """One token as logprobs show it: its piece with SentencePiece's word marker as a space; a byte
@@ -94,9 +99,8 @@ class Tokenizer:
         "<0xNN>" when it is part of a multi-byte character, since alone it is not text."""
         if not 0 <= token_id < self.vocab_size:
             return f"<id:{token_id}>"  # an embedding row past the tokenizer's pieces
-        piece = self.sp.id_to_piece(token_id)
-        if self.sp.is_byte(token_id):
-            byte = int(piece[3:5], 16)
+        piece, byte = self.sp.id_to_piece(token_id), self._byte(token_id)
+        if byte is not None:
             return chr(byte) if byte < 0x80 else piece
         return piece.replace("\u2581", " ")
 

@@ -18,10 +18,9 @@ import numpy as np
 
 def _mode(args, name: str):
     from ernie_jax import LLM, SamplingParams
-    from ernie_jax.assets import EMBEDDED_MODEL_DIR
 
     kw = dict(disaggregate=False) if name == "colocated" else dict(prefill_devices=args.mesh // 2, pd_policy=name)
-    llm = LLM(args.model or EMBEDDED_MODEL_DIR, mesh=args.mesh, max_model_len=args.prompt_len + 64,
+    llm = LLM(args.model, mesh=args.mesh, max_model_len=args.prompt_len + 64,
               max_num_seqs=args.streams + 1, prefill_chunk=args.max_num_batched_tokens, **kw)
     engine = llm.engine
     vocab = llm.model.config.vocab_size

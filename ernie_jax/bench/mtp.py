@@ -68,7 +68,7 @@ def mtp(args) -> int:
     from ernie_jax.sharding.mesh import request_host_devices
     request_host_devices(args.mesh)
     from ernie_jax import LLM, SamplingParams
-    from ernie_jax.assets import EMBEDDED_MODEL_DIR
+    from ernie_jax.assets import EMBEDDED_MODEL_NAME
     from ernie_jax.engine.speculative import SpeculativeConfig
 
     spec = SpeculativeConfig.parse(args.speculative_config)
@@ -76,7 +76,7 @@ def mtp(args) -> int:
     kw = dict(max_model_len=args.max_model_len, max_num_seqs=max(levels), kv_cache_dtype=args.kv_cache_dtype)
     if args.mesh:
         kw.update(mesh=args.mesh, prefill_devices=args.mesh // 2)
-    model = args.model or EMBEDDED_MODEL_DIR
+    model = args.model or EMBEDDED_MODEL_NAME
     plain, fast = LLM(model, **kw), LLM(model, **kw, speculative_config=spec)
     prompts = _prompts(plain, args.corpus, args.num_prompts)
     sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.output_len,

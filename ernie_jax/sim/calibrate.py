@@ -63,7 +63,6 @@ def calibrate(args) -> int:
     from ernie_jax.sharding.mesh import request_host_devices
     request_host_devices(args.mesh)
     from ernie_jax import LLM
-    from ernie_jax.assets import EMBEDDED_MODEL_DIR
     from ernie_jax.engine.programs import min_decode_rows
 
     trace = lambda seed: make_trace(args.trace, args.rate, args.num_requests, seed=seed, scale=args.scale,  # noqa: E731
@@ -71,7 +70,7 @@ def calibrate(args) -> int:
     timelines, num_pages, transfer, rows = {}, {}, (0.0, 0), []
     for mode in ("colocated", "dynamic"):
         kw = dict(disaggregate=False) if mode == "colocated" else dict(prefill_devices=args.mesh // 2, pd_policy=mode)
-        llm = LLM(args.model or EMBEDDED_MODEL_DIR, mesh=args.mesh, max_model_len=args.max_model_len,
+        llm = LLM(args.model, mesh=args.mesh, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, prefill_chunk=args.max_num_batched_tokens, **kw)
         engine = llm.engine
         devices = args.mesh if mode == "colocated" else args.mesh // 2
