@@ -121,7 +121,6 @@ def offline(args) -> int:
     return 0
 
 
-
 def add_parsers(sub) -> None:
     off = sub.add_parser("offline", help="the offline engine on a batch of random prompts")
     off.add_argument("--model", default="bench-512", help="preset or checkpoint folder")
