@@ -9,7 +9,6 @@ batch.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from typing import Sequence
@@ -234,8 +233,7 @@ class LLM:
         for (_, ids), sp in zip(reqs, params):
             group = []
             for j in range(sp.n):
-                sub = dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + j)
-                group.append(self.engine.requests[self.engine.add_request(ids, sub)])
+                group.append(self.engine.requests[self.engine.add_request(ids, sp.for_sample(j))])
             groups.append(group)
         while any(not r.finished for g in groups for r in g):
             self.engine.step()

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import math
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +24,34 @@ MAX_LOGPROBS = 20
 
 class SamplingParamsError(ValueError):
     """A request parameter out of its range; the message names the parameter."""
+
+
+# Bounds that keep every value meaningful once it is an f32 / int32 / uint32 device array: a temperature or
+# repetition penalty whose f32 form overflows would turn masked (-inf) logits into NaN; top-k is an int32.
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 100.0
+MAX_TOP_K = 2**31 - 1
+# Seeds: any 64-bit integer, signed or unsigned, as vLLM takes them; the sampler's stream takes 32 bits
+# (sampler_seed).
+MIN_SEED, MAX_SEED = -2**63, 2**64 - 1
+GREEDY_BELOW = 1e-5  # a temperature under this samples greedily (vLLM's rule), since logits / t overflow f32
+
+
+def sampler_seed(seed: int) -> int:
+    """The sampler's 32-bit seed for a request seed in [MIN_SEED, MAX_SEED]: the seed itself when it already
+    is one (so those streams never change), otherwise a hash of its 64-bit form."""
+    if 0 <= seed < 2**32:
+        return seed
+    digest = hashlib.blake2b((seed % 2**64).to_bytes(8, "little"), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclasses.dataclass
@@ -45,47 +75,61 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> value added to its logit (OpenAI's logit_bias)
 
     def __post_init__(self):
+        self.check()
+
+    def check(self) -> None:
+        """Every field in its range (the engine checks again what it is given: fields may change after
+        construction); normalises stop, stop_token_ids and logit_bias."""
         def bad(name, why):
             raise SamplingParamsError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
-        num = (int, float)
-        if not isinstance(self.n, int) or self.n < 1:
+        if not _is_int(self.n) or self.n < 1:
             bad("n", "must be an integer >= 1")
-        if not isinstance(self.temperature, num) or self.temperature < 0:
-            bad("temperature", "must be a number >= 0 (0 means greedy)")
-        if not isinstance(self.top_p, num) or not 0 < self.top_p <= 1:
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            bad("temperature", f"must be a number in [0, {MAX_TEMPERATURE:g}] (0 means greedy)")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            bad("top_k", "must be an integer >= -1 (0 or -1 disables it)")
-        if not isinstance(self.min_p, num) or not 0 <= self.min_p <= 1:
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_TOP_K:
+            bad("top_k", f"must be an integer in [-1, {MAX_TOP_K}] (0 or -1 disables it)")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             bad("min_p", "must be in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not isinstance(getattr(self, name), num) or not -2 <= getattr(self, name) <= 2:
+            if not _is_number(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
                 bad(name, "must be in [-2, 2]")
-        if not isinstance(self.repetition_penalty, num) or self.repetition_penalty <= 0:
-            bad("repetition_penalty", "must be > 0")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            bad("repetition_penalty", f"must be in (0, {MAX_REPETITION_PENALTY:g}]")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0 or (
+        if not _is_int(self.min_tokens) or self.min_tokens < 0 or (
                 self.max_tokens is not None and self.min_tokens > self.max_tokens):
             bad("min_tokens", "must be an integer in [0, max_tokens]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", "must be an integer")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
-        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or
-                                                 not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
-            bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.seed is not None and (not _is_int(self.seed) or not MIN_SEED <= self.seed <= MAX_SEED):
+            bad("seed", f"must be an integer in [{MIN_SEED}, {MAX_SEED}] (64 bits)")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                bad(name, f"must be an integer in [0, {MAX_LOGPROBS}]")
         if self.logit_bias is not None:
             try:
-                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+                self.logit_bias = {int(k): v for k, v in self.logit_bias.items()}
             except (AttributeError, TypeError, ValueError):
                 bad("logit_bias", "must map token ids to numbers")
-            if any(not -100 <= v <= 100 for v in self.logit_bias.values()):
-                bad("logit_bias", "values must be in [-100, 100]")
+            if any(not _is_number(v) or not -100 <= v <= 100 for v in self.logit_bias.values()):
+                bad("logit_bias", "values must be numbers in [-100, 100]")
+            self.logit_bias = {k: float(v) for k, v in self.logit_bias.items()}
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not isinstance(self.stop or [], (list, tuple)) or not all(isinstance(s, str) for s in self.stop or []):
+            bad("stop", "must be a string or a list of strings")
         self.stop = [s for s in (self.stop or []) if s]
-        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        if not all(_is_int(t) for t in self.stop_token_ids or []):
+            bad("stop_token_ids", "must be a list of integers")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    def for_sample(self, j: int) -> SamplingParams:
+        """The parameters of sample j of the n this asks for: one sample each; a seeded request's sample j
+        uses seed + j (wrapping within 64 bits), so the samples differ and each is reproducible."""
+        seed = None if self.seed is None else self.seed + j - (2**64 if self.seed + j > MAX_SEED else 0)
+        return dataclasses.replace(self, n=1, seed=seed)
 
     @property
     def uses_penalties(self) -> bool:

@@ -27,6 +27,18 @@ class ChatTemplateError(ValueError):
     """A chat message the template cannot render; the message says which one."""
 
 
+def check_text(text: str, what: str = "the text") -> None:
+    """Refuse what SentencePiece cannot take: a non-string, or a string that is not valid Unicode (a lone
+    surrogate such as "\\ud800", which JSON can carry but UTF-8 cannot)."""
+    if not isinstance(text, str):
+        raise TypeError(f"{what} must be a string, not {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} holds a lone surrogate (U+{ord(text[e.start]):04X}) at character {e.start}: "
+                         "it is not valid Unicode") from None
+
+
 class Tokenizer:
     def __init__(self, model_file: str, config: dict | None = None):
         self.sp = spm.SentencePieceProcessor(model_file=model_file)
@@ -65,6 +77,7 @@ class Tokenizer:
         return [i for i in (self.token_id(p) for p in END_OF_TURN_PIECES) if i is not None]
 
     def encode(self, text: str, allow_special: bool = False) -> list[int]:
+        check_text(text)
         if not allow_special or self._special_re is None:
             return list(self.sp.encode(text))
         ids: list[int] = []

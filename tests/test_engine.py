@@ -283,6 +283,38 @@ def test_bad_requests_keep_the_engine_serving():
     assert len(req.output_ids) == 3 and req.finish_reason == "length"
 
 
+def test_every_request_value_is_checked_before_it_reaches_a_step():
+    """Out-of-range values are refused naming the field, by SamplingParams and again by the engine (a field
+    changed after construction); 64-bit seeds work and keep 32-bit seeds' streams; a temperature too small
+    for f32 logits samples greedily."""
+    from ernie_jax.sampling import MAX_SEED, MIN_SEED, sampler_seed
+    for field, value in [("seed", 2**80), ("seed", -2**63 - 1), ("temperature", float("nan")),
+                         ("temperature", float("inf")), ("top_k", 2**31), ("repetition_penalty", 1e39),
+                         ("logit_bias", {5: float("nan")}), ("stop", [5]), ("stop_token_ids", ["a"]),
+                         ("max_tokens", True), ("n", 1.0)]:
+        with pytest.raises(SamplingParamsError, match=f"^SamplingParams.{field}="):
+            SamplingParams(**{field: value})
+    engine_llm = llm("single")
+    sp = SamplingParams(temperature=1.0, max_tokens=3)
+    sp.seed = 2**80  # after construction: the engine checks again
+    with pytest.raises(RequestError, match="seed") as e:
+        engine_llm.engine.add_request([5, 6, 7], sp)
+    assert e.value.param == "seed"
+    with pytest.raises(RequestError, match="min_tokens") as e:
+        engine_llm.engine.add_request([5, 6, 7], SamplingParams(max_tokens=None, min_tokens=10**6))
+    assert e.value.param == "min_tokens"
+    assert sampler_seed(7) == 7 and sampler_seed(-1) == sampler_seed(MAX_SEED) and 0 <= sampler_seed(MIN_SEED) < 2**32
+    assert SamplingParams(seed=MAX_SEED, n=2).for_sample(1).seed == 0  # wraps within 64 bits
+
+    def run(**kw):
+        return engine_llm.generate(prompt_token_ids=[[7, 8, 9]], sampling_params=SamplingParams(
+            max_tokens=6, ignore_eos=True, **kw))[0].outputs[0].token_ids
+    big = run(temperature=1.0, seed=2**63 + 5)
+    assert big == run(temperature=1.0, seed=2**63 + 5) and big != run(temperature=1.0, seed=5)
+    assert run(temperature=1e-30) == run(temperature=0)
+    assert all_free(engine_llm.engine)
+
+
 def test_abort_frees_pages_at_once():
     engine = llm("single").engine
     rid = engine.add_request(list(range(3, 30)), SamplingParams(temperature=0, max_tokens=30))
@@ -403,3 +435,47 @@ def test_async_engine_takes_requests_during_a_step_and_survives_a_device_error(m
 
 async def _collect(stream) -> list:
     return [out async for out in stream]
+
+
+def test_a_step_that_fails_on_the_host_fails_only_its_requests_and_keeps_the_prefix_cache(caplog):
+    """A prefill step whose program refuses its inputs before running leaves the pool intact: only that step's
+    request fails; a stream decoding beside it ends with its own tokens, and a prompt cached before the
+    failure still hits the prefix cache after it."""
+    from ernie_jax.engine.async_engine import EngineError
+
+    engine = llm("single").engine
+    shared = list(range(3, 43))  # 40 tokens: two full pages of 16 to cache
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    expected = llm("single").generate(prompt_token_ids=[[4, 5, 6]], sampling_params=sp)[0].outputs[0].token_ids
+    programs_ = programs(engine)
+    state = {"fail": False}
+    run = programs_.run
+
+    def patched(kind, *args):
+        if state["fail"] and kind == "prefill":
+            state["fail"] = False
+            raise ValueError("injected: a prefill input the program refuses")
+        return run(kind, *args)
+    programs_.run = patched
+    runner = AsyncEngine(engine)
+
+    async def main():
+        short = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        await _collect(runner.add_request(shared + [50], short))  # its full pages go into the prefix cache
+        streaming = runner.add_request([4, 5, 6], sp)
+        first = await streaming.__anext__()  # decoding now
+        state["fail"] = True
+        with pytest.raises(EngineError, match="injected"):
+            await _collect(runner.add_request([9, 8, 7, 6], short))
+        rest = await _collect(streaming)
+        again = await _collect(runner.add_request(shared + [60], short))
+        return [first] + rest, again[-1]
+    try:
+        outs, again = asyncio.run(main())
+    finally:
+        del programs_.run
+        runner.shutdown()
+    assert outs[-1].finished and outs[-1].outputs[0].token_ids == expected
+    assert again.num_cached_tokens == 32  # both full pages of the shared prefix, cached before the failure
+    assert "failed the 1 requests of that step; its KV pool is intact" in caplog.text
+    assert all_free(engine) and not engine.requests

@@ -6,14 +6,10 @@ Tests run in file order against one server; the last one sends SIGTERM and check
 
 import asyncio
 import json
-import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import time
 
 import httpx
 import numpy as np
@@ -22,49 +18,18 @@ import pytest
 
 from ernie_jax.assets import EMBEDDED_MODEL_DIR, EMBEDDED_MODEL_NAME
 from ernie_jax.tokenizer import Tokenizer
+from tests.serving import AUTH, KEY, ROOT, metric, metrics, running_server, server_state, wait_idle
 
 MAX_MODEL_LEN = 512
-KEY = "test-key"
-AUTH = {"Authorization": f"Bearer {KEY}"}
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+MAX_REQUEST_BYTES = 2**20
 
 
 @pytest.fixture(scope="module")
 def server():
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the server sets up its own 8 devices
-    env["JAX_PLATFORMS"] = "cpu"
-    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-    cache = os.path.join(tempfile.gettempdir(), "ernie_jax_test_xla_cache")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ernie_jax.serve", "--mesh", "8", "--port", str(port), "--max-model-len",
-         str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--max-queue-len", "64",
-         "--batch-invariant", "--api-key", KEY,
-         "--compilation-cache-dir", cache], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            log.seek(0)
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        raise RuntimeError("server did not come up in 600 s")
-    yield {"url": url, "proc": proc, "log": log.name}
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    with running_server(["--mesh", "8", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
+                         "--max-num-batched-tokens", "128", "--max-queue-len", "64", "--batch-invariant",
+                         "--max-request-bytes", str(MAX_REQUEST_BYTES)]) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -75,33 +40,6 @@ def client(server):
 @pytest.fixture(scope="module")
 def tokenizer():
     return Tokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
-
-
-def server_state(server) -> str:
-    """The server's exit status and log tail, for a failure message (a crash shows as a closed connection)."""
-    with open(server["log"]) as f:
-        tail = f.read()[-4000:]
-    return f"\nserver exit status: {server['proc'].poll()}\nserver log tail:\n{tail}"
-
-
-def metrics(url: str) -> dict[str, float]:
-    """Prometheus text -> {'name{labels}': value}."""
-    out = {}
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
-
-
-def metric(values: dict, name: str, **labels) -> float:
-    """Sum of the series of `name` whose labels include `labels`."""
-    total = 0.0
-    for key, v in values.items():
-        base = key.split("{")[0]
-        if base == name and all(f'{k}="{val}"' in key for k, val in labels.items()):
-            total += v
-    return total
 
 
 def test_start_up_log_and_models(server, client):
@@ -294,6 +232,8 @@ def test_api_key_is_required_on_v1_routes(server):
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         r = httpx.get(server["url"] + "/v1/models", headers=headers)
         assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+        r = httpx.post(server["url"] + "/v1/admin/rebalance_experts", headers=headers)  # admin routes too
+        assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
     assert httpx.get(server["url"] + "/health").status_code == 200  # probes and scrapes stay open
     assert httpx.get(server["url"] + "/metrics").status_code == 200
 
@@ -347,17 +287,6 @@ def _rss_mb(pid: int) -> float:
         return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1)) / 1024
 
 
-def _wait_idle(url: str, timeout: float = 30) -> dict:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        m = metrics(url)
-        if metric(m, "ernie_jax:num_requests_running") == 0 and metric(m, "ernie_jax:kv_cache_usage_perc") == 0 \
-                and metric(m, "ernie_jax:num_requests_waiting") == 0:
-            return m
-        time.sleep(0.2)
-    raise AssertionError(f"requests still running after {timeout}s: {m}")
-
-
 def test_client_disconnect_aborts_and_frees_pages(server):
     url = server["url"]
     aborted = metric(metrics(url), "ernie_jax:requests_total", outcome="abort")
@@ -366,12 +295,12 @@ def test_client_disconnect_aborts_and_frees_pages(server):
         for i, _ in enumerate(r.iter_lines()):
             if i >= 4:
                 break  # closing the connection mid-stream
-    _wait_idle(url)
+    wait_idle(url)
     try:  # a non-streaming request whose client gives up
         httpx.post(url + "/v1/completions", json={**body, "stream": False}, headers=AUTH, timeout=1.0)
     except httpx.TimeoutException:
         pass
-    m = _wait_idle(url)
+    m = wait_idle(url)
     assert metric(m, "ernie_jax:requests_total", outcome="abort") == aborted + 2
 
 
@@ -384,7 +313,7 @@ def test_full_queue_answers_429_and_keeps_serving(server, client):
     codes, errors = asyncio.run(burst())
     assert set(codes) == {200, 429} and codes.count(200) >= 64  # the queue limit, not fewer, was admitted
     assert "busy" in errors[0]["error"]["message"]
-    _wait_idle(server["url"])
+    wait_idle(server["url"])
     assert client.completions.create(model=EMBEDDED_MODEL_NAME, prompt="after", max_tokens=2).usage
     assert metric(metrics(server["url"]), "ernie_jax:requests_total", outcome="rejected_busy") == codes.count(429)
 
@@ -405,6 +334,102 @@ def test_metrics(server):
     assert metric(m, "ernie_jax:submesh_busy_seconds_total", submesh="prefill") > 0
     assert metric(m, "ernie_jax:submesh_busy_seconds_total", submesh="decode") > 0
     assert metric(m, "ernie_jax:kv_transfer_bytes_total") > 0
+
+
+HOSTILE = [  # (route, body or raw JSON text, the field the 400 names, words its message contains)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "seed": 2**80}, "seed", "64 bits"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x\ud800"}]}, "messages.0.content",
+     "lone surrogate (U+D800)"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages.0.content",
+     "content is null"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', "temperature",
+     "finite number"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_k": 2**40}, "top_k", "top_k"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 65}, "stop",
+     "at most 64"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [10**7]}, "stop_token_ids", "outside"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1e9}}, "logit_bias", "[-100, 100]"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 10**6}, "min_tokens", "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 1e39}, "repetition_penalty", "repetition_penalty"),
+    ("/v1/completions", {"prompt": ["x\udfff"]}, "prompt.0", "lone surrogate"),
+]
+
+
+@pytest.mark.parametrize("route,body,param,words", HOSTILE, ids=[h[2] for h in HOSTILE])
+def test_hostile_values_get_a_400_naming_the_field(server, client, route, body, param, words):
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(server["url"] + route, content=content, headers={"content-type": "application/json", **AUTH})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"], err
+    ok = client.completions.create(model=EMBEDDED_MODEL_NAME, prompt="still there?", max_tokens=2)
+    assert ok.usage.completion_tokens == 2
+
+
+def test_request_bodies_over_the_limit_get_413(server):
+    big = json.dumps({"prompt": "x" * MAX_REQUEST_BYTES})
+    r = httpx.post(server["url"] + "/v1/completions", content=big, headers={"content-type": "application/json",
+                                                                            **AUTH})
+    assert r.status_code == 413 and "at most" in r.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: counted as it arrives
+        yield big[:100].encode()
+        yield big[100:].encode()
+    r = httpx.post(server["url"] + "/v1/completions", content=chunks(), headers={"content-type": "application/json",
+                                                                                 **AUTH})
+    assert r.status_code == 413 and "over" in r.json()["error"]["message"]
+
+
+# Cases per route of the fuzz test: the default suite's are fixed (derandomized), make test-all's random.
+FUZZ_CASES = [30, 300]
+
+
+@pytest.mark.parametrize("cases", FUZZ_CASES)
+def test_fuzzed_requests_never_get_a_5xx_or_break_the_server(server, cases):
+    from hypothesis import HealthCheck, given, settings
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    from tests.fuzz_requests import request_bodies
+
+    openapi = httpx.get(server["url"] + "/openapi.json").json()
+    with open(server["log"]) as f:
+        log_start = len(f.read())
+    seen: dict[int, int] = {}
+    with httpx.Client(base_url=server["url"], headers=AUTH, timeout=120) as h:
+        for route, schema, full, chunk in [("/v1/chat/completions", "ChatCompletionRequest", ChatCompletion,
+                                            ChatCompletionChunk),
+                                           ("/v1/completions", "CompletionRequest", Completion, Completion)]:
+            @settings(max_examples=cases, deadline=None, database=None, derandomize=cases == FUZZ_CASES[0],
+                      suppress_health_check=list(HealthCheck))
+            @given(request_bodies(openapi, schema, EMBEDDED_MODEL_NAME, 4, MAX_MODEL_LEN))
+            def one(body):
+                r = h.post(route, content=json.dumps(body), headers={"content-type": "application/json"})
+                seen[r.status_code] = seen.get(r.status_code, 0) + 1
+                assert r.status_code < 500, f"{r.status_code} for {body!r}: {r.text[:500]}" + server_state(server)
+                if r.status_code != 200:
+                    err = r.json()["error"]
+                    assert isinstance(err["message"], str) and err["code"] == r.status_code and err["type"], r.text
+                elif body.get("stream") is True:
+                    lines = [ln for ln in r.text.split("\n") if ln.startswith("data: ")]
+                    assert lines[-1] == "data: [DONE]", r.text[-500:]
+                    for line in lines[:-1]:
+                        data = json.loads(line[6:])
+                        assert "error" not in data, f"{data} for {body!r}" + server_state(server)
+                        if chunk is Completion:  # the SDK's one type for both; a chunk mid-stream has no finish
+                            for c in data["choices"]:
+                                assert c["finish_reason"] in (None, "stop", "length"), data
+                                c["finish_reason"] = c["finish_reason"] or "length"
+                        chunk.model_validate(data)
+                else:
+                    full.model_validate(r.json())
+            one()
+    assert seen.get(200, 0) >= cases // 4, seen  # the fuzz reaches the engine, not only the validators
+    wait_idle(server["url"])
+    assert httpx.get(server["url"] + "/health").status_code == 200
+    with open(server["log"]) as f:
+        log = f.read()[log_start:]
+    assert "step failed" not in log and "Traceback" not in log, log[-4000:]
 
 
 def test_serve_benchmark_against_the_server(server, tmp_path):
@@ -433,6 +458,8 @@ def test_sigterm_drains_requests_in_flight(server):
     assert finish == "length"
     assert server["proc"].wait(timeout=60) == 0
     with open(server["log"]) as f:
-        assert "Traceback" not in f.read()  # nothing (a background compile, a thread) fails on the way out
+        log = f.read()
+    assert "Traceback" not in log  # nothing (a background compile, a thread) fails on the way out
+    assert log.count("KV pool consistent") == 2  # prefill's and decode's, checked once nothing steps
     with pytest.raises(httpx.ConnectError):
         httpx.get(server["url"] + "/health", timeout=2)

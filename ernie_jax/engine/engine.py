@@ -30,7 +30,7 @@ from ernie_jax.engine.request import Request, RequestError, RequestMetrics
 from ernie_jax.engine.speculative import SpecDecodeStats, SpeculativeConfig
 from ernie_jax.model.ernie import ErnieForCausalLM
 from ernie_jax.ops.base import FALLBACKS
-from ernie_jax.sampling import SamplingParams
+from ernie_jax.sampling import GREEDY_BELOW, SamplingParams, SamplingParamsError, sampler_seed
 from ernie_jax.tokenizer import IncrementalDetokenizer
 
 __all__ = ["Engine", "Request", "RequestError", "CompileReport"]
@@ -193,30 +193,43 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Everything add_request needs of a request, checked before anything is queued; raises RequestError
+        naming the field. Nothing a request holds can fail a step once this passed."""
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"sampling params of type {type(params).__name__}: expected SamplingParams",
+                               param=None)
+        try:
+            params.check()  # again: a caller may have changed a field since construction
+        except SamplingParamsError as e:
+            text = str(e).removeprefix("SamplingParams.")
+            raise RequestError(text, param=text.split("=")[0]) from None
         if not prompt_ids:
             raise RequestError("the prompt is empty")
-        bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
+        V = self.cfg.vocab_size
+        bad = [t for t in prompt_ids if not (isinstance(t, (int, np.integer)) and 0 <= t < V)]
         if bad:
-            raise RequestError(f"prompt token ids outside [0, {self.cfg.vocab_size}): {bad[:5]}")
+            raise RequestError(f"prompt token ids outside [0, {V}): {bad[:5]}")
         if len(prompt_ids) >= self.max_model_len:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len} "
                                "(and at least one token must be generated)")
         if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise RequestError(f"{len(prompt_ids)} prompt tokens + max_tokens {params.max_tokens} exceed "
-                               f"max_model_len {self.max_model_len}")
+                               f"max_model_len {self.max_model_len}", param="max_tokens")
+        if len(prompt_ids) + params.min_tokens > self.max_model_len:
+            raise RequestError(f"{len(prompt_ids)} prompt tokens + min_tokens {params.min_tokens} exceed "
+                               f"max_model_len {self.max_model_len}", param="min_tokens")
         longest = min(len(prompt_ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
         for inst in self.instances:
             if why := inst.scheduler.check_fits(longest):
                 limit = f"max_tokens {params.max_tokens}" if params.max_tokens else f"max_model_len {self.max_model_len}"
                 raise RequestError(f"{len(prompt_ids)} prompt tokens with {limit}: {why} ({inst.name}); lower "
                                    "max_tokens or give the server more KV pages (--num-gpu-blocks-override, "
-                                   "--gpu-memory-utilization)")
-        V = self.cfg.vocab_size
-        bad = [t for t in list(params.logit_bias or ()) + params.stop_token_ids if not 0 <= t < V]
-        if bad:
-            raise RequestError(f"logit_bias / stop_token_ids name token ids outside [0, {V}): {bad[:5]}")
+                                   "--gpu-memory-utilization)", param="max_tokens")
+        for name, ids in (("logit_bias", list(params.logit_bias or ())), ("stop_token_ids", params.stop_token_ids)):
+            if bad := [t for t in ids if not 0 <= t < V]:
+                raise RequestError(f"{name} names token ids outside [0, {V}): {bad[:5]}", param=name)
         if params.stop and self.tokenizer is None:
-            raise RequestError("stop strings need a tokenizer; use stop_token_ids")
+            raise RequestError("stop strings need a tokenizer; use stop_token_ids", param="stop")
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
         """Validate and queue a request (any thread; never waits for a step); returns its id."""
@@ -226,7 +239,7 @@ class Engine:
             request_id = request_id or f"req-{next(self._ids)}"
             if request_id in self.requests:
                 raise RequestError(f"request id {request_id!r} is already in use")
-            seed = params.seed if params.seed is not None else int(self._rng.integers(2**31))
+            seed = sampler_seed(params.seed) if params.seed is not None else int(self._rng.integers(2**31))
             req = Request(request_id, prompt_ids, params, seed, RequestMetrics(time.perf_counter()))
             if self.tokenizer is not None:
                 req.text, req.detokenizer = "", IncrementalDetokenizer(self.tokenizer)
@@ -311,7 +324,7 @@ class Engine:
         steps = [len(r.output_ids) for r in reqs]
         f = lambda xs, fill=0.0: np.asarray(list(xs) + [fill] * pad, np.float32)  # noqa: E731
         p = [r.params for r in reqs]
-        arrays = {"temperature": f(x.temperature for x in p), "top_p": f((x.top_p for x in p), 1.0),
+        arrays = {"temperature": f(x.temperature if x.temperature >= GREEDY_BELOW else 0.0 for x in p), "top_p": f((x.top_p for x in p), 1.0),
                   "top_k": np.asarray([x.top_k for x in p] + [0] * pad, np.int32),
                   "seeds": np.asarray([r.seed for r in reqs] + [0] * pad, np.uint32),
                   "steps": np.asarray(steps + [0] * pad, np.int32),
@@ -389,8 +402,9 @@ class Engine:
             self.step()
 
     def recover(self) -> list[Request]:
-        """After step() raised: rebuild every instance's pool (Instance.recover); returns the requests lost."""
-        return [r for inst in self.instances for r in inst.recover()]
+        """After step() raised: fail the failed step's requests on every instance (Instance.recover, which
+        keeps a pool that is intact and rebuilds one that is not); returns them."""
+        return [r for inst in self.instances for r in inst.recover()[0]]
 
     def start(self, on_output: Callable[[Request], None], on_error: Callable[[Request, BaseException], None]) -> None:
         """Step each instance on its own thread until stop(). on_output(req): req got a token or finished;
@@ -412,6 +426,12 @@ class Engine:
         for inst in self.instances:
             inst.programs.cancel_compiles()
         self.stop()
+        for inst in self.instances:  # the page bookkeeping's invariant, once nothing steps any more
+            try:
+                inst.pool.check()
+                log.info("%s: KV pool consistent, %d of %d pages free", inst.name, inst.pool.free, inst.pool.capacity)
+            except AssertionError as e:
+                log.error("%s: KV pool inconsistent at shutdown: %s", inst.name, e or "pages leaked")
 
     def stop(self) -> None:
         self._stop = True
@@ -428,10 +448,13 @@ class Engine:
                     continue
             try:
                 touched = inst.step()
-            except Exception as e:  # noqa: BLE001 -- fail the requests that held pages, keep serving
-                log.exception("%s: step failed; rebuilding its KV pool and failing the requests that held pages",
-                              inst.name)
-                for req in inst.recover():
+            except Exception as e:  # noqa: BLE001 -- fail that step's requests, keep serving
+                log.exception("%s: step failed", inst.name)
+                failed, kept = inst.recover()
+                log.error("%s: failed the %d requests of that step; %s", inst.name, len(failed),
+                          "its KV pool is intact and keeps its prefix cache" if kept else
+                          "its KV pool may be consumed: rebuilt empty, with every request that held pages")
+                for req in failed:
                     on_error(req, e)
                 continue
             for req in touched:

@@ -89,6 +89,7 @@ class Instance:
         # decode step before reading them, so the host's work overlaps the device's (see begin()).
         self._ahead: Dispatched | None = None
         self._transfer = 0.0  # seconds this step's boundary has spent handing KV over
+        self._in_step: list[Request] = []  # the requests of the steps this step() dispatches or reads
         self.decode_step_seconds = 0.0  # moving average of the steps that decoded (the policy's TPOT view)
 
     # ---- state --------------------------------------------------------------------------------------------
@@ -128,7 +129,7 @@ class Instance:
 
     def begin(self, touched: list[Request]):
         """The step boundary, then this step's programs dispatched; returns what end() reads."""
-        t0, self._transfer = self.host.now(), 0.0
+        t0, self._transfer, self._in_step = self.host.now(), 0.0, []
         self.take_placement()
         self._drop_aborted(touched)
         self._take_inbox()
@@ -244,17 +245,34 @@ class Instance:
             self.host.role_switch(self.name, self.acting, acting)
             self.acting = acting
 
-    def recover(self) -> list[Request]:
-        """After a step raised: every program donates its pool, so a device-side failure can leave the pool
-        consumed. Rebuild it (zeroed; its prefix cache forgotten), drop the step in flight, and abort the
-        requests that held pages here (their KV is gone); returns them. Waiting and inbox ones stay."""
+    def recover(self) -> tuple[list[Request], bool]:
+        """After a step raised: fail the requests it ran; returns them and whether the pool was kept.
+
+        When the pool is intact (ModelPrograms.cache_intact: the failure was on the host, or a program refused
+        its inputs before running), only the requests of the failed step fail, their pages freed as at any
+        finish, and the pool keeps its prefix cache: every page registered so far was written by a program
+        that completed. Otherwise (a program failed on the device: every program donates the pool, so it may
+        be consumed or half written) the pool is rebuilt zeroed, its prefix cache forgotten, the step in
+        flight dropped, and every request that held pages here fails. Waiting and inbox ones stay."""
+        failed = [r for r in {id(r): r for r in self._in_step}.values() if self.scheduler.holds(r)]
+        self._in_step = []
+        if not (failed and self.programs.cache_intact()):
+            failed = []
+        for req in failed:
+            self.host.finish(req, "abort", None, self)
+        try:
+            if failed:
+                self.pool.check()
+                return failed, True
+        except AssertionError:  # the failure left the page bookkeeping inconsistent: start afresh
+            pass
         self._ahead = None
         lost = [r for q in self.scheduler.queues for r in q]
         for req in lost:
             self.host.finish(req, "abort", None, self)
         self.programs.reset_cache()
         self.pool.reset_cache()
-        return lost
+        return failed + lost, False
 
     # ---- dispatch -------------------------------------------------------------------------------------------
     def _next_chunk(self, req: Request) -> list[int]:
@@ -301,6 +319,7 @@ class Instance:
 
     def _dispatch_prefill(self, prefill, scored: list) -> Dispatched:
         rows, T, B = prefill
+        self._in_step += [r for r, _, _ in rows]
         ids, positions = np.zeros((B, T), np.int32), np.tile(np.arange(T, dtype=np.int32), (B, 1))
         tables = np.zeros((B, self.programs.max_pages), np.int32)  # padding rows write the null page 0
         last = np.full(B, -1, np.int32)  # -1: a padding row, no real token
@@ -338,6 +357,7 @@ class Instance:
 
     def _dispatch_decode(self, ahead: Dispatched | None) -> Dispatched:
         reqs = list(self.running)
+        self._in_step += reqs
         B = self.programs.bucket("decode", len(reqs))
         pad = B - len(reqs)
         lag = 0 if ahead is None else 1  # tokens in flight per request, not yet in output_ids
@@ -368,6 +388,7 @@ class Instance:
         After a step still in flight (`ahead`, the same batch), its inputs are computed on the device from
         that step's tokens, accepted counts and drafts (programs.chain_verify)."""
         reqs, k = list(self.running), self.k
+        self._in_step += reqs
         B = self.programs.bucket("decode", len(reqs))
         pad = B - len(reqs)
         arrays, nlp = self.host.sampling_arrays(reqs, B)
@@ -404,6 +425,7 @@ class Instance:
     # ---- results --------------------------------------------------------------------------------------------
     def _read(self, pending: list[Dispatched], touched: list[Request], scored: tuple = ()) -> None:
         """Wait for dispatched steps and append their tokens (in dispatch order)."""
+        self._in_step += [r for r, _, _, _ in scored] + [r for step in pending for r in step.reqs if r is not None]
         for req, start, targets, scores in scored:
             self.host.add_prompt_logprobs(req, start, targets, jax.device_get(scores))
         for kind, reqs, result, t0, counts, drafts, _ in pending:  # every program is in flight before any is read

@@ -421,6 +421,18 @@ class ModelPrograms:
             row += L
         self.expert_placement = new
 
+    def cache_intact(self) -> bool:
+        """Whether the KV pool holds what the programs wrote: every buffer alive (not consumed by a donating
+        program that then failed) and computed without a device error."""
+        leaves = jax.tree.leaves(self.cache)
+        if any(x.is_deleted() for x in leaves):
+            return False
+        try:
+            jax.block_until_ready(leaves)
+        except Exception:  # noqa: BLE001 -- the program that wrote it failed on the device
+            return False
+        return True
+
     def reset_cache(self) -> None:
         """A fresh (zeroed) pool in place of one a failed program may have consumed: every program donates
         the pool, so after a device-side error the old buffers can be gone."""

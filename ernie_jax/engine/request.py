@@ -9,7 +9,12 @@ from ernie_jax.sampling import SamplingParams
 
 
 class RequestError(ValueError):
-    """A prompt or request that cannot be served; the message says which one and why."""
+    """A prompt or request that cannot be served; the message says which one and why, `param` names the
+    request field at fault ("prompt", "max_tokens", ...)."""
+
+    def __init__(self, message: str, param: str | None = "prompt"):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclasses.dataclass
@@ -33,7 +38,7 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    seed: int
+    seed: int  # the sampler's 32-bit seed (sampling.sampler_seed)
     metrics: RequestMetrics
     output_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[dict[str, Any]] = dataclasses.field(default_factory=list)

@@ -3,7 +3,9 @@
 `create_app(server)` builds the FastAPI app: /v1/models, /v1/completions, /v1/chat/completions (streaming
 as SSE with `data: [DONE]`), /health and /metrics. A request body is validated in full before anything is
 queued; a prompt list or `n` > 1 becomes several engine requests whose outputs are merged into one answer.
-Errors are OpenAI-shaped JSON with their HTTP status. A client that disconnects aborts its engine requests
+Errors are OpenAI-shaped JSON with their HTTP status, never a stack trace (an unexpected error is logged and
+answered with a plain 500). A body over `max_request_bytes` gets a 413 before it is parsed. A client that
+disconnects aborts its engine requests
 (streaming: Starlette cancels the body iterator; otherwise a watcher on the connection cancels the handler),
 which frees their KV pages at the next step.
 """
@@ -45,6 +47,7 @@ class Server:
     max_queue_len: int = 256
     max_n: int = 16
     api_key: str | None = None  # when set, /v1 routes need "Authorization: Bearer <key>"
+    max_request_bytes: int = 8 * 2**20  # larger request bodies get 413
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
 
@@ -57,6 +60,7 @@ class _Prompt:
 def create_app(server: Server) -> FastAPI:
     app = FastAPI(title="ernie_jax", docs_url=None, redoc_url=None)
     app.state.server = server
+    app.add_middleware(_BodyLimit, limit=server.max_request_bytes)
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
@@ -71,7 +75,10 @@ def create_app(server: Server) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
-        first = e.errors()[0]
+        errors = e.errors()
+        # A union field reports one error per alternative; a type mismatch ("string_type") is the least telling
+        # ("stop": 65 strings is a list that is too long, not a string of the wrong type).
+        first = next((x for x in errors if not str(x.get("type", "")).endswith("_type")), errors[0])
         if first.get("type") == "json_invalid":
             return _error(server, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}", 400)
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
@@ -87,6 +94,11 @@ def create_app(server: Server) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, e: HTTPException):
         return _error(server, str(e.detail), e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception):
+        log.exception("%s %s failed", request.method, request.url.path)
+        return _error(server, "internal server error (the server log has the details)", 500)
 
     @app.get("/health")
     async def health() -> Response:
@@ -119,7 +131,7 @@ def create_app(server: Server) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         _check_model(server, body.model)
         params = body.to_params(server.defaults)
-        prompts = [_Prompt(p, server.tokenizer.encode(p)) if isinstance(p, str)
+        prompts = [_Prompt(p, _encode(server, p, "prompt")) if isinstance(p, str)
                    else _Prompt(None, list(p)) for p in body.prompts()]
         fmt = _CompletionFormat(server, body, prompts, params)
         return await _respond(server, request, body, prompts, params, fmt)
@@ -133,10 +145,44 @@ def create_app(server: Server) -> FastAPI:
             text = server.tokenizer.apply_chat_template(conversation, body.add_generation_prompt)
         except ChatTemplateError as e:
             raise ProtocolError(str(e), param="messages") from None
-        prompts = [_Prompt(text, server.tokenizer.encode(text, allow_special=True))]
+        prompts = [_Prompt(text, _encode(server, text, "messages", allow_special=True))]
         return await _respond(server, request, body, prompts, params, _ChatFormat(server, body))
 
     return app
+
+
+class _BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is answered 413, by its Content-Length before
+    anything is read, or as soon as a body sent without one (chunked) passes the limit."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            server = scope["app"].state.server
+            return await _error(server, f"the request body has {length.decode(errors='replace')} bytes; this "
+                                f"server takes at most {self.limit}", 413)(scope, receive, send)
+        received = 0
+
+        async def limited():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:  # FastAPI passes an HTTPException from the body read on as it is
+                raise HTTPException(413, f"the request body is over {self.limit} bytes, the most this server takes")
+            return message
+        return await self.app(scope, limited, send)
+
+
+def _encode(server: Server, text: str, param: str, allow_special: bool = False) -> list[int]:
+    try:
+        return server.tokenizer.encode(text, allow_special=allow_special)
+    except (TypeError, ValueError) as e:
+        raise ProtocolError(f"{param}: {e}", param=param) from None
 
 
 def _error(server: Server, message: str, status: int, param: str | None = None) -> JSONResponse:
@@ -159,7 +205,8 @@ async def _respond(server: Server, request: Request, body, prompts: list[_Prompt
         try:
             engine.validate(p.ids, params)
         except RequestError as e:
-            raise ProtocolError(f"prompt {i}: {e}" if len(prompts) > 1 else str(e), param="prompt") from None
+            raise ProtocolError(f"prompt {i}: {e}" if len(prompts) > 1 and e.param == "prompt" else str(e),
+                                param=e.param) from None
     count = len(prompts) * params.n
     if len(engine.waiting) + count > server.max_queue_len:
         raise ProtocolError(f"the server is busy ({len(engine.waiting)} requests waiting, limit "
@@ -172,19 +219,17 @@ async def _respond(server: Server, request: Request, body, prompts: list[_Prompt
 
 
 def _add_requests(server: Server, request_id: str, prompts: list[_Prompt], params: SamplingParams) -> list:
-    """Every (prompt, sample) as its own engine request, queued now. Sample j of a seeded request uses
-    seed + j, so the n samples differ and each is reproducible."""
+    """Every (prompt, sample) as its own engine request (SamplingParams.for_sample), queued now."""
     streams = []
     try:
         for i, p in enumerate(prompts):
             for j in range(params.n):
-                sub = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + j)
                 rid = f"{request_id}-{i}-{j}"
-                streams.append((rid, server.engine.add_request(p.ids, sub, rid, p.text)))
+                streams.append((rid, server.engine.add_request(p.ids, params.for_sample(j), rid, p.text)))
     except RequestError as e:
         for rid, _ in streams:
             server.engine.abort(rid)
-        raise ProtocolError(str(e), param="prompt") from None
+        raise ProtocolError(str(e), param=e.param) from None
     return streams
 
 

@@ -73,6 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       help="reuse the KV of cached prompt prefixes (full pages, hash chained); on by default")
     a("--max-queue-len", type=int, default=256, help="waiting requests beyond which new ones get HTTP 429")
     a("--max-n", type=int, default=16, help="the largest n (samples per prompt) a request may ask for")
+    a("--max-request-bytes", type=int, default=8 * 2**20, help="larger request bodies get HTTP 413")
     a("--api-key", default=os.environ.get("ERNIE_JAX_API_KEY"),
       help="require 'Authorization: Bearer KEY' on /v1 routes (default: $ERNIE_JAX_API_KEY; none: open)")
     a("--seed", type=int, default=0)
@@ -143,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     metrics = ServerMetrics(engine, name)
     async_engine = AsyncEngine(engine, on_finish=metrics.on_finish)
     server = Server(async_engine, llm.tokenizer, name, llm.sampling_defaults, metrics,
-                    max_queue_len=args.max_queue_len, max_n=args.max_n, api_key=args.api_key)
+                    max_queue_len=args.max_queue_len, max_n=args.max_n, api_key=args.api_key,
+                    max_request_bytes=args.max_request_bytes)
     app = create_app(server)
 
     class _Uvicorn(uvicorn.Server):

@@ -4,19 +4,43 @@ Unknown fields are ignored (clients send many extensions); known fields with a w
 (a string where a number belongs is an error, not a coercion). Fields the server cannot honour (tools,
 structured output, best_of > n) are rejected by name instead of being silently ignored. Sampling defaults
 come from the model's generation_config.json (ERNIE: temperature 0.8, top_p 0.8), as in vLLM.
+
+Everything a request carries is checked here or by SamplingParams / Engine.validate before it is queued,
+each failure a 400 naming the field: numbers finite and in range (SamplingParams states the ranges),
+strings valid Unicode (JSON can carry a lone surrogate, UTF-8 cannot), message content as OpenAI defines it
+per role, and list sizes bounded (the LIMITS below; the body's size is bounded by the server).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from ernie_jax.sampling import MAX_LOGPROBS, SamplingParams
+from ernie_jax.tokenizer import check_text
 
 # JSON integers are taken (as floats), strings and booleans refused with one "valid number" error (a union of
-# int and float reported only its first alternative: "a valid integer").
+# int and float reported only its first alternative: "a valid integer"); NaN and infinities (which Python's
+# JSON parser accepts) are refused by the models' allow_inf_nan=False.
 Number = StrictFloat
+
+
+def _valid_text(text: str) -> str:
+    check_text(text)
+    return text
+
+
+Text = Annotated[StrictStr, AfterValidator(_valid_text)]
+
+# The most entries a request's lists may hold (OpenAI allows 4 stop strings and 128 tools; vLLM sets no
+# limits): generous for real clients, and they bound the work one request can cause before it is queued.
+MAX_STOP = 64
+MAX_TOKEN_LIST = 1024  # stop_token_ids, logit_bias entries
+MAX_MESSAGES = 4096
+MAX_PARTS = 1024  # text parts of one message
+MAX_PROMPTS = 1024  # prompts of one batched completion request
+MAX_TOOLS = 128
 
 
 class ProtocolError(ValueError):
@@ -28,7 +52,7 @@ class ProtocolError(ValueError):
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -38,7 +62,7 @@ class StreamOptions(_Body):
 
 class _Sampling(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extensions)."""
-    model: StrictStr | None = None
+    model: Text | None = None
     n: StrictInt = 1
     best_of: StrictInt | None = None
     temperature: Number | None = None
@@ -49,14 +73,14 @@ class _Sampling(_Body):
     frequency_penalty: Number | None = None
     repetition_penalty: Number | None = None
     seed: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | None = None
-    stop_token_ids: list[StrictInt] | None = None
+    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: Annotated[list[StrictInt], Field(max_length=MAX_TOKEN_LIST)] | None = None
     ignore_eos: StrictBool = False
     min_tokens: StrictInt = 0
-    logit_bias: dict[StrictStr, Number] | None = None
+    logit_bias: Annotated[dict[Text, Number], Field(max_length=MAX_TOKEN_LIST)] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    user: StrictStr | None = None
+    user: Text | None = None
 
     def sampling_params(self, defaults: dict[str, Any], max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -79,11 +103,12 @@ class _Sampling(_Body):
 
 
 class CompletionRequest(_Sampling):
-    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    prompt: Text | Annotated[list[Text], Field(max_length=MAX_PROMPTS)] | list[StrictInt] | \
+        Annotated[list[list[StrictInt]], Field(max_length=MAX_PROMPTS)]
     max_tokens: StrictInt | None = 16
     echo: StrictBool = False
     logprobs: StrictInt | None = None
-    suffix: StrictStr | None = None
+    suffix: Text | None = None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -108,31 +133,34 @@ class CompletionRequest(_Sampling):
 
 class TextPart(_Body):
     type: Literal["text"]
-    text: StrictStr
+    text: Text
 
 
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer"]
-    content: StrictStr | list[TextPart] | None = None
+    # null only where OpenAI allows it: an assistant turn with tool_calls, which this server does not take yet
+    content: Text | Annotated[list[TextPart], Field(max_length=MAX_PARTS)] | None
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
     add_generation_prompt: StrictBool = True
-    tools: list[dict] | None = None
+    tools: Annotated[list[dict], Field(max_length=MAX_TOOLS)] | None = None
     response_format: dict | None = None
 
     def conversation(self) -> list[dict]:
         out = []
-        for m in self.messages:
-            content = m.content if isinstance(m.content, str) or m.content is None else \
-                "".join(p.text for p in m.content)
+        for i, m in enumerate(self.messages):
+            if m.content is None:
+                raise ProtocolError(f"messages[{i}].content is null: a {m.role} message needs content (a string "
+                                    "or a list of text parts)", param=f"messages.{i}.content")
+            content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)
             # "developer" is OpenAI's newer name for the system role.
-            out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+            out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
         return out
 
     def to_params(self, defaults: dict[str, Any]) -> SamplingParams:

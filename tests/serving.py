@@ -1,0 +1,95 @@
+"""Helpers for tests that run `python -m ernie_jax.serve` as a real process on loopback: start one, read its
+Prometheus metrics, wait for it to be idle."""
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(args: list[str], timeout: float = 600):
+    """A server on a free loopback port with `args` (plus --api-key KEY and the tests' compilation cache),
+    up and healthy; yields {"url", "proc", "log"} and kills it on the way out if it still runs."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the server sets up its own devices
+    env["JAX_PLATFORMS"] = "cpu"
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+    cache = os.path.join(tempfile.gettempdir(), "ernie_jax_test_xla_cache")
+    proc = subprocess.Popen([sys.executable, "-m", "ernie_jax.serve", "--port", str(port), "--api-key", KEY,
+                             "--compilation-cache-dir", cache, *args],
+                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        raise RuntimeError(f"server did not come up in {timeout:.0f} s")
+    try:
+        yield {"url": url, "proc": proc, "log": log.name}
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def server_state(server) -> str:
+    """The server's exit status and log tail, for a failure message (a crash shows as a closed connection)."""
+    with open(server["log"]) as f:
+        tail = f.read()[-4000:]
+    return f"\nserver exit status: {server['proc'].poll()}\nserver log tail:\n{tail}"
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value}."""
+    out = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+def metric(values: dict, name: str, **labels) -> float:
+    """Sum of the series of `name` whose labels include `labels`."""
+    total = 0.0
+    for key, v in values.items():
+        base = key.split("{")[0]
+        if base == name and all(f'{k}="{val}"' in key for k, val in labels.items()):
+            total += v
+    return total
+
+
+def wait_idle(url: str, timeout: float = 30) -> dict:
+    """Metrics once nothing runs or waits and every KV page is free; fails after `timeout` seconds."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        m = metrics(url)
+        if metric(m, "ernie_jax:num_requests_running") == 0 and metric(m, "ernie_jax:kv_cache_usage_perc") == 0 \
+                and metric(m, "ernie_jax:num_requests_waiting") == 0:
+            return m
+        time.sleep(0.2)
+    raise AssertionError(f"requests still running after {timeout}s: {m}")
