@@ -13,8 +13,10 @@ $(BIN)/activate: pyproject.toml
 serve: $(BIN)/activate
 	$(BIN)/python -m ernie_jax.serve --mesh 8
 
+# Two worker processes, each taking whole files (module-scoped servers and engines stay in one process): one
+# process leaves a core idle while it runs Python between compiles.
 test: $(BIN)/activate
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # Every case, slow ones included: one pytest process per file, so compiled programs and engines do not pile
 # up in one process (the whole suite in one process outgrew this 24 GB, 2-core machine).

@@ -19,6 +19,7 @@ from ernie_jax.llm import LLM
 from ernie_jax.quant import FP8, BlockFP8
 from ernie_jax.sampling import SamplingParams
 from ernie_jax.tokenizer import Tokenizer
+from tests.conftest import EMBEDDED_ENGINE
 
 TEXTS = [
     "Hello, world!",
@@ -110,7 +111,7 @@ def test_load_pretrained_fp8():
 
 def test_llm_chat_generates_text():
     # one decode and two prefill programs to compile (a chat prompt is a few tokens); no model: the shipped one
-    llm = LLM(max_model_len=256, max_num_seqs=1, prefill_chunk=32)
+    llm = LLM(**EMBEDDED_ENGINE)
     assert llm.tokenizer.model_file == os.path.join(EMBEDDED_MODEL_DIR, "tokenizer.model")
     tok = llm.tokenizer
     assert tok is not None and {2, tok.token_id("<|end_of_sentence|>")} <= set(llm.eos_token_ids)

@@ -121,20 +121,22 @@ def test_greedy_unchanged_by_prefix_caching_and_preemption(mode, kv):
     no_leak(engine)
 
 
-def test_shared_1024_token_prefix_prefills_only_the_suffix_and_n_prefills_once():
-    llm = LLM(golden_model(), max_model_len=1120, max_num_seqs=4, prefill_chunk=512)
+def test_shared_prefix_prefills_only_the_suffix_and_n_prefills_once():
+    """A 160-token shared prefix (ten full pages, on the shared small-pool engine): the second prompt prefills
+    only its 32-token suffix, with the tokens of an uncached run."""
+    llm = small_pool()
     engine = llm.engine
     s = engine.instances[0].scheduler
     rng = np.random.default_rng(11)
-    system = rng.integers(3, 256, 1024).tolist()
+    system = rng.integers(3, 256, 160).tolist()
     first, second = (system + rng.integers(3, 256, 32).tolist() for _ in range(2))
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     computed = s.prefill_tokens
     llm.generate(prompt_token_ids=[first], sampling_params=sp)
-    assert s.prefill_tokens - computed == 1056
+    assert s.prefill_tokens - computed == 192
     computed = s.prefill_tokens
     cached = llm.generate(prompt_token_ids=[second], sampling_params=sp)[0]
-    assert s.prefill_tokens - computed == 32 and cached.num_cached_tokens == 1024  # only the suffix
+    assert s.prefill_tokens - computed == 32 and cached.num_cached_tokens == 160  # only the suffix
     s.pool.enable_caching = False
     uncached = llm.generate(prompt_token_ids=[second], sampling_params=sp)[0]
     assert cached.outputs[0].token_ids == uncached.outputs[0].token_ids
@@ -142,11 +144,11 @@ def test_shared_1024_token_prefix_prefills_only_the_suffix_and_n_prefills_once()
 
     # n=4 of a new prompt: one prefill; each other sample recomputes only the prompt's last page (its first
     # token's logits), waiting for the first sample's pages rather than computing them alongside.
-    prompt = rng.integers(3, 256, 1056).tolist()
+    prompt = rng.integers(3, 256, 192).tolist()
     computed = s.prefill_tokens
     out = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
         n=4, temperature=0.8, seed=1, max_tokens=6, ignore_eos=True))[0]
-    assert s.prefill_tokens - computed == 1056 + 3 * 16
+    assert s.prefill_tokens - computed == 192 + 3 * 16
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # seeds 1..4: the samples differ
     no_leak(engine)
 

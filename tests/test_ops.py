@@ -16,6 +16,7 @@ from ernie_jax.ops.block_fp8_matmul import block_fp8_matmul
 from ernie_jax.ops.grouped_fp8_matmul import grouped_fp8_matmul
 from ernie_jax.ops.paged_attention import paged_attention
 from ernie_jax.quant import quantize_block_fp8
+from tests.conftest import EMBEDDED_ENGINE
 
 PALLAS = "pallas_triton"
 
@@ -375,8 +376,8 @@ def test_a_failing_kernel_falls_back_at_start_up(monkeypatch, caplog):
     injected = base.Implementation("broken_kernel", broken, lambda platform: None, kernel=True)
     monkeypatch.setattr(op_module.OP, "implementations", (injected,) + op_module.OP.implementations)
     with caplog.at_level(logging.WARNING, logger="ernie_jax.ops"):
-        # test_embedded_model's engine shape: once the kernel falls back, the programs are the same ones
-        llm = LLM(EMBEDDED_MODEL_DIR, max_model_len=256, max_num_seqs=1, prefill_chunk=32)
+        # the shared engine shape: once the kernel falls back, the programs are the same ones
+        llm = LLM(EMBEDDED_MODEL_DIR, **EMBEDDED_ENGINE)
     assert any("broken_kernel" in r.getMessage() and "falling back" in r.getMessage() for r in caplog.records)
     ops = {o["op"]: o for o in llm.engine.compile_report.ops}
     assert ops["block_fp8_matmul"]["implementation"] == "xla"

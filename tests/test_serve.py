@@ -26,7 +26,9 @@ MAX_REQUEST_BYTES = 2**20
 
 @pytest.fixture(scope="module")
 def server():
-    with running_server(["--mesh", "8", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
+    # static PD: each submesh compiles only its own role's programs (the dynamic policy is test_pd's)
+    with running_server(["--mesh", "8", "--pd-policy", "static", "--max-model-len", str(MAX_MODEL_LEN),
+                         "--max-num-seqs", "8",
                          "--max-num-batched-tokens", "128", "--max-queue-len", "64", "--batch-invariant",
                          "--max-request-bytes", str(MAX_REQUEST_BYTES)]) as s:
         yield s

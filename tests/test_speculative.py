@@ -12,7 +12,7 @@ from ernie_jax import LLM, SamplingParams, load_pretrained
 from ernie_jax.assets import EMBEDDED_MODEL_DIR
 from ernie_jax.engine.speculative import SpeculativeConfig, SpeculativeConfigError
 from ernie_jax.sampling import filtered_logits, speculative_verify
-from tests.conftest import GOLDEN
+from tests.conftest import EMBEDDED_ENGINE, GOLDEN
 
 
 def spec(k: int) -> dict:
@@ -88,9 +88,9 @@ def test_greedy_verification_and_max_accept():
     assert np.asarray(tokens).tolist() == [[2, 3, 4], [2, 3, 4], [2, 3, 4]]  # greedy rows emit the argmax path
 
 
-# 64-token prefill chunks and 128-token sequences: 5 programs per engine instead of 10, which halves the
-# default suite's cold compile of this file (the prompts here are 10 to 40 tokens)
-EMBEDDED = dict(max_model_len=128, prefill_chunk=64, max_num_seqs=4)
+# The shared engine shape (tests/conftest.py): the plain engine's programs come from the XLA cache, and the
+# MTP engine compiles 3 (the prompts here are 10 to 40 tokens; two sequences decode side by side)
+EMBEDDED = EMBEDDED_ENGINE
 
 
 @functools.lru_cache(maxsize=None)

@@ -324,7 +324,8 @@ class Engine:
         steps = [len(r.output_ids) for r in reqs]
         f = lambda xs, fill=0.0: np.asarray(list(xs) + [fill] * pad, np.float32)  # noqa: E731
         p = [r.params for r in reqs]
-        arrays = {"temperature": f(x.temperature if x.temperature >= GREEDY_BELOW else 0.0 for x in p), "top_p": f((x.top_p for x in p), 1.0),
+        arrays = {"temperature": f(x.temperature if x.temperature >= GREEDY_BELOW else 0.0 for x in p),
+                  "top_p": f((x.top_p for x in p), 1.0),
                   "top_k": np.asarray([x.top_k for x in p] + [0] * pad, np.int32),
                   "seeds": np.asarray([r.seed for r in reqs] + [0] * pad, np.uint32),
                   "steps": np.asarray(steps + [0] * pad, np.int32),
