@@ -383,7 +383,7 @@ def test_request_bodies_over_the_limit_get_413(server):
 
 
 # Cases per route of the fuzz test: the default suite's are fixed (derandomized), make test-all's random.
-FUZZ_CASES = [30, 300]
+FUZZ_CASES = [20, 300]
 
 
 @pytest.mark.parametrize("cases", FUZZ_CASES)
