@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 $(BIN)/activate: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q --no-compile -e ".[test]"  # no .pyc for every file of every package: imports make theirs
 	touch $(BIN)/activate
 
 .PHONY: serve test test-all

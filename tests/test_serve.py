@@ -29,7 +29,7 @@ def server():
     # static PD: each submesh compiles only its own role's programs (the dynamic policy is test_pd's)
     with running_server(["--mesh", "8", "--pd-policy", "static", "--max-model-len", str(MAX_MODEL_LEN),
                          "--max-num-seqs", "8",
-                         "--max-num-batched-tokens", "128", "--max-queue-len", "64", "--batch-invariant",
+                         "--max-num-batched-tokens", "64", "--max-queue-len", "64", "--batch-invariant",
                          "--max-request-bytes", str(MAX_REQUEST_BYTES)]) as s:
         yield s
 
