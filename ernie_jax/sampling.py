@@ -23,7 +23,11 @@ MAX_LOGPROBS = 20
 
 
 class SamplingParamsError(ValueError):
-    """A request parameter out of its range; the message names the parameter."""
+    """A request parameter out of its range; the message names the parameter, `field` is its name."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
 
 
 # Bounds that keep every value meaningful once it is an f32 / int32 / uint32 device array: a temperature or
@@ -81,7 +85,7 @@ class SamplingParams:
         """Every field in its range (the engine checks again what it is given: fields may change after
         construction); normalises stop, stop_token_ids and logit_bias."""
         def bad(name, why):
-            raise SamplingParamsError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+            raise SamplingParamsError(name, f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
         if not _is_int(self.n) or self.n < 1:
             bad("n", "must be an integer >= 1")
         if not _is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:

@@ -27,15 +27,15 @@ class ChatTemplateError(ValueError):
     """A chat message the template cannot render; the message says which one."""
 
 
-def check_text(text: str, what: str = "the text") -> None:
+def check_text(text: str) -> None:
     """Refuse what SentencePiece cannot take: a non-string, or a string that is not valid Unicode (a lone
     surrogate such as "\\ud800", which JSON can carry but UTF-8 cannot)."""
     if not isinstance(text, str):
-        raise TypeError(f"{what} must be a string, not {type(text).__name__}")
+        raise TypeError(f"the text must be a string, not {type(text).__name__}")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"{what} holds a lone surrogate (U+{ord(text[e.start]):04X}) at character {e.start}: "
+        raise ValueError(f"the text holds a lone surrogate (U+{ord(text[e.start]):04X}) at character {e.start}: "
                          "it is not valid Unicode") from None
 
 

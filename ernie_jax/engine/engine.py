@@ -201,8 +201,7 @@ class Engine:
         try:
             params.check()  # again: a caller may have changed a field since construction
         except SamplingParamsError as e:
-            text = str(e).removeprefix("SamplingParams.")
-            raise RequestError(text, param=text.split("=")[0]) from None
+            raise RequestError(str(e).removeprefix("SamplingParams."), param=e.field) from None
         if not prompt_ids:
             raise RequestError("the prompt is empty")
         V = self.cfg.vocab_size

@@ -260,12 +260,12 @@ class Instance:
             failed = []
         for req in failed:
             self.host.finish(req, "abort", None, self)
-        try:
-            if failed:
+        if failed:
+            try:
                 self.pool.check()
                 return failed, True
-        except AssertionError:  # the failure left the page bookkeeping inconsistent: start afresh
-            pass
+            except AssertionError:  # the failure left the page bookkeeping inconsistent: start afresh
+                pass
         self._ahead = None
         lost = [r for q in self.scheduler.queues for r in q]
         for req in lost:

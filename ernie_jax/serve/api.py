@@ -60,7 +60,7 @@ class _Prompt:
 def create_app(server: Server) -> FastAPI:
     app = FastAPI(title="ernie_jax", docs_url=None, redoc_url=None)
     app.state.server = server
-    app.add_middleware(_BodyLimit, limit=server.max_request_bytes)
+    app.add_middleware(_BodyLimit, server=server)
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
@@ -155,16 +155,15 @@ class _BodyLimit:
     """ASGI middleware: a request body over `limit` bytes is answered 413, by its Content-Length before
     anything is read, or as soon as a body sent without one (chunked) passes the limit."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, server: Server):
+        self.app, self.server, self.limit = app, server, server.max_request_bytes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
-            server = scope["app"].state.server
-            return await _error(server, f"the request body has {length.decode(errors='replace')} bytes; this "
+            return await _error(self.server, f"the request body has {length.decode(errors='replace')} bytes; this "
                                 f"server takes at most {self.limit}", 413)(scope, receive, send)
         received = 0
 

@@ -8,7 +8,7 @@ come from the model's generation_config.json (ERNIE: temperature 0.8, top_p 0.8)
 Everything a request carries is checked here or by SamplingParams / Engine.validate before it is queued,
 each failure a 400 naming the field: numbers finite and in range (SamplingParams states the ranges),
 strings valid Unicode (JSON can carry a lone surrogate, UTF-8 cannot), message content as OpenAI defines it
-per role, and list sizes bounded (the LIMITS below; the body's size is bounded by the server).
+per role, and list sizes bounded (the MAX_* limits below; the body's size is bounded by the server).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from ernie_jax.sampling import MAX_LOGPROBS, SamplingParams
+from ernie_jax.sampling import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 from ernie_jax.tokenizer import check_text
 
 # JSON integers are taken (as floats), strings and booleans refused with one "valid number" error (a union of
@@ -96,10 +96,8 @@ class _Sampling(_Body):
                                   seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                                   ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                                   logit_bias=self.logit_bias)
-        except ValueError as e:  # SamplingParamsError names the field as SamplingParams.<field>
-            text = str(e)
-            field = text.split("=")[0].removeprefix("SamplingParams.") if text.startswith("SamplingParams.") else None
-            raise ProtocolError(text.removeprefix("SamplingParams."), param=field) from None
+        except SamplingParamsError as e:
+            raise ProtocolError(str(e).removeprefix("SamplingParams."), param=e.field) from None
 
 
 class CompletionRequest(_Sampling):
