@@ -2,7 +2,7 @@
 
 Owns: field defaults, the Paddle and HF `config.json` dialects, the FP8 `quantization_config`, presets,
 the dense/MoE layer rule, the grouping of layers into scanned segments, and validation.
-Field names follow the Paddle release (ERNIE45_SPEC.md section 1); HF aliases are accepted on read.
+Field names follow the Paddle release (docs/model.md §1); HF aliases are accepted on read.
 """
 
 from __future__ import annotations

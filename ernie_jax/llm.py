@@ -22,6 +22,7 @@ from ernie_jax.config import PRESETS, ErnieConfig
 from ernie_jax.engine.engine import Engine
 from ernie_jax.engine.policy import PDPolicy
 from ernie_jax.engine.request import RequestError
+from ernie_jax.engine.output_processor import check_requests, samples
 from ernie_jax.engine.outputs import CompletionOutput, RequestOutput, completion, request_output
 from ernie_jax.model import ErnieForCausalLM
 from ernie_jax.sampling import SamplingParams
@@ -224,17 +225,9 @@ class LLM:
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(reqs)
         if len(params) != len(reqs):
             raise RequestError(f"{len(params)} sampling_params for {len(reqs)} prompts")
-        for i, ((_, ids), sp) in enumerate(zip(reqs, params)):  # reject the whole call before queueing any
-            try:
-                self.engine.validate(ids, sp)
-            except RequestError as e:
-                raise RequestError(f"prompt {i}: {e}") from None
-        groups = []
-        for (_, ids), sp in zip(reqs, params):
-            group = []
-            for j in range(sp.n):
-                group.append(self.engine.requests[self.engine.add_request(ids, sp.for_sample(j))])
-            groups.append(group)
+        check_requests(self.engine.validate, [ids for _, ids in reqs], params)
+        groups = [[self.engine.requests[self.engine.add_request(ids, s)] for s in samples(sp)]
+                  for (_, ids), sp in zip(reqs, params)]
         while any(not r.finished for g in groups for r in g):
             self.engine.step()
         outputs = []

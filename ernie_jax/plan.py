@@ -5,7 +5,7 @@
 
 Nothing is allocated: weights (the MTP block included), the KV page pool and inputs are ShapeDtypeStructs
 carrying their shardings, on as many fake CPU devices as the mesh needs (set up before JAX starts). The
-programs are engine.programs.step_program, lowered by lower_step exactly as ModelPrograms lowers its
+programs are engine.step_functions.step_program, lowered by lower_step exactly as ModelPrograms lowers its
 buckets, with the execution config a GPU selects without kernels (the Pallas kernels are not
 partitioned by XLA:CPU): prefill = one chunk of `--prefill-tokens` tokens, decode = one token for each of
 `--max-num-seqs` sequences (with `--speculative-config`, the MTP programs: prefill drafting after the
@@ -14,7 +14,7 @@ devices report no memory limit (max_num_seqs x pages per sequence; under PD each
 size; on GPUs the engine sizes its pools from memory instead, which is what "KV tokens that fit"
 estimates). Per device it reports weights and KV bytes (exact, from the shardings), temporaries (XLA:CPU's
 figure, shown but not trusted: XLA:CPU upcasts bf16 dot operands and decomposes ragged_dot densely, so its
-temporaries do not predict a GPU's, ANCHORS P10), XLA's FLOP estimate for one device's program, the
+temporaries do not predict a GPU's, docs/xla-notes.md N6), XLA's FLOP estimate for one device's program, the
 compile time, and how many tokens of KV fit per submesh on an H200 (141 GB) and an H100 (80 GB) once the
 weights are resident, at vLLM's default 0.9 memory utilisation.
 """
@@ -39,7 +39,7 @@ def plan_program(cfg, devices, mesh_spec, *, quantization, kv_cache_dtype, batch
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from ernie_jax.engine.programs import lower_step, step_program
+    from ernie_jax.engine.step_functions import lower_step, step_program
     from ernie_jax.model.forward import rope_cache
     from ernie_jax.model.kv_cache import KV_CACHE_DTYPES, KVCache
     from ernie_jax.model.weights import abstract_weights
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     devices = jax.devices()[:n]
     prefill_tokens = args.prefill_tokens or min(args.max_model_len, 8192)
     page = args.block_size
-    from ernie_jax.engine.programs import table_pages
+    from ernie_jax.engine.shapes import table_pages
     decode_pool = args.max_num_seqs * table_pages(args.max_model_len, page) + 1  # the Engine's rule (no memory limit)
     common = dict(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, rules=args.sharding,
                   page_size=page, max_pages=table_pages(args.max_model_len, page, k), k=k)

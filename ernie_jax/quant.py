@@ -1,6 +1,6 @@
 """Block-wise FP8 weights (the ERNIE-4.5 FP8 release's format) and their XLA reference matmuls.
 
-Format (ERNIE45_SPEC.md section 4, FastDeploy semantics): e4m3fn values in the Paddle [in, out]
+Format (docs/model.md §4, FastDeploy semantics): e4m3fn values in the Paddle [in, out]
 orientation and f32 scales [ceil(in/128), ceil(out/128)]; the scale is the dequant multiplier amax/448,
 so W[i, o] ~ values[i, o] * scales[i // 128, o // 128]. Leading axes (layers, experts) are allowed.
 `k_major` values are stored [out, in] instead (K contiguous, the B-operand layout FP8 tensor-core MMAs
@@ -15,7 +15,7 @@ Two numerics for a linear (`compute`):
   cores execute; the Pallas kernels implement the same contract.
 - "weight_only": dequantize the weights, then an ordinary matmul in the activation dtype. Closer to the
   BF16 model (no activation rounding); the accuracy report measures both.
-Every cast to FP8 saturates (clip to +-448 first): a plain cast overflows to NaN (ANCHORS P6).
+Every cast to FP8 saturates (clip to +-448 first): a plain cast overflows to NaN (docs/xla-notes.md N4).
 """
 
 from __future__ import annotations

@@ -174,7 +174,8 @@ def sample(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: j
 
 def _argmax(logits: jax.Array) -> jax.Array:
     """jnp.argmax over the last axis (the first maximum, or the first NaN), as a max and a min: XLA:CPU's
-    variadic argmax reduction took a third of a millisecond for 16 x 8192 logits, these two 0.1 ms."""
+    variadic argmax reduction is about three times slower than the two (benchmarks/RESULTS.md, "CPU
+    measurements behind design choices")."""
     V = logits.shape[-1]
     top = (logits == jnp.max(logits, axis=-1, keepdims=True)) | jnp.isnan(logits)
     return jnp.min(jnp.where(top, jnp.arange(V, dtype=jnp.int32), V), axis=-1)

@@ -1,6 +1,6 @@
 """ERNIE's SentencePiece tokenizer: special tokens, the chat template, and streaming detokenization.
 
-ERNIE's tokenizer derives from LlamaTokenizer in legacy mode with no BOS added (ERNIE45_SPEC.md section 6):
+ERNIE's tokenizer derives from LlamaTokenizer in legacy mode with no BOS added (docs/model.md §6):
 `encode` adds no special token; with `allow_special` the special-token strings in the text (e.g. the
 `<|begin_of_sentence|>` of a rendered chat) become their single ids instead of being spelled out.
 `decode` drops special and control pieces. `apply_chat_template` renders ERNIE's template:

@@ -1,4 +1,4 @@
-"""Independent numpy oracle of FastDeploy's block-FP8 semantics (ERNIE45_SPEC.md section 4).
+"""Independent numpy oracle of FastDeploy's block-FP8 semantics (docs/model.md §4).
 
 Tests use this module as the reference for the FP8 checkpoint format and the FP8 numerics:
 

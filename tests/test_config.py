@@ -15,7 +15,7 @@ def test_presets_match_the_spec():
     small = ErnieConfig.preset("ernie-4.5-21b-a3b")
     assert small.layer_segments() == (LayerSegment("dense", 0, 1), LayerSegment("moe", 1, 27))
     assert small.tie_word_embeddings and small.moe_num_shared_experts == 2
-    # ERNIE45_SPEC.md section 7: 299.48 B total / 47.08 B active; 21.83 B / 3.35 B (tied head included)
+    # docs/model.md §7: 299.48 B total / 47.08 B active; 21.83 B / 3.35 B (tied head included)
     c = param_counts(big)
     assert round(c["total"] / 1e9, 2) == 299.48 and round(c["active"] / 1e9, 2) == 47.08
     c = param_counts(small)

@@ -90,7 +90,7 @@ def test_interrupted_conversion_leaves_no_checkpoint(tmp_path, monkeypatch):
 
 
 def fastdeploy_300b_fp8_index(folder):
-    """The 300B-A47B-FP8 release's tensor names, written from ERNIE45_SPEC.md sections 3.2 and 4 alone."""
+    """The 300B-A47B-FP8 release's tensor names, written from docs/model.md §3 and §4 alone."""
     lin = lambda p: [p + ".quant_weight", p + ".weight_scale"]  # noqa: E731
     names = ["ernie.embed_tokens.weight", "ernie.norm.weight", "lm_head.weight"]
     for i in range(54):

@@ -17,7 +17,8 @@ from ernie_jax import LLM, RequestError, SamplingParams, SamplingParamsError, lo
 from ernie_jax.assets import EMBEDDED_MODEL_DIR
 from ernie_jax.engine.async_engine import AsyncEngine
 from ernie_jax.engine.policy import PDPolicy
-from ernie_jax.engine.programs import compile_all, cpu_expert_groups, min_decode_rows
+from ernie_jax.engine.compile_pool import compile_all
+from ernie_jax.engine.cpu_rules import cpu_expert_groups, min_decode_rows
 from tests.conftest import GOLDEN
 
 SMALL = dict(max_model_len=64, max_num_seqs=4)
@@ -206,18 +207,20 @@ def test_decode_steps_chain_on_device_without_changing_tokens(mode):
               SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
               SamplingParams(temperature=0.5, top_p=0.9, seed=1, max_tokens=9, ignore_eos=True, logprobs=2),
               SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)]
-    chained = []
+    chained = []  # per decode dispatch: whether it took the step in flight's tokens on the device
     for inst in engine.instances:
-        inst._continues = lambda step, c=inst._continues: chained.append(c(step)) or chained[-1]
+        inst.runner.dispatch = lambda plan, d=inst.runner.dispatch: (
+            plan.decode and chained.append(plan.after_in_flight)) or d(plan)
     try:
         with jax.transfer_guard("disallow"):
             ahead = engine_llm.generate(prompt_token_ids=prompts, sampling_params=params)
         for inst in engine.instances:
-            inst._continues = lambda step: False
+            inst.scheduler.overlap = False  # read every step before the next
         stepwise = engine_llm.generate(prompt_token_ids=prompts, sampling_params=params)
     finally:
         for inst in engine.instances:
-            del inst._continues
+            del inst.runner.dispatch
+            inst.scheduler.overlap = True
     assert sum(chained) >= 5  # most decode steps ran ahead of the host
     assert [o.outputs[0].token_ids for o in ahead] == [o.outputs[0].token_ids for o in stepwise]
     assert [len(o.outputs[0].token_ids) for o in ahead] == [10, 12, 3, 9, 6]

@@ -213,7 +213,7 @@ def test_server_rejects_a_request_longer_than_the_pool_and_reports_the_cache():
 
 
 def test_pool_is_sized_from_device_memory_where_devices_report_it():
-    from ernie_jax.engine.programs import pages_in_memory
+    from ernie_jax.engine.pool_sizing import pages_in_memory
 
     class Device:
         def __init__(self, stats):

@@ -26,7 +26,7 @@ def test_every_request_finishes_with_its_output_length_and_no_page_leaks(trace):
 
 def test_h200_cost_model_follows_the_roofline():
     cost = H200Cost()
-    # a batch-1 decode step on 8 GPUs: 47.9 GB at 85 % of 38.4 TB/s plus the step overhead (PERFORMANCE.md 3.5)
+    # a batch-1 decode step on 8 GPUs: 47.9 GB at 85 % of 38.4 TB/s plus the step overhead (H200Cost)
     assert 1.3e-3 < cost.step(0, (0, 0), 0, 1, 1, 0, 8) - cost.step_overhead < 1.6e-3
     assert cost.step(0, (0, 0), 0, 64, 64, 0, 8) > 4 * cost.step(0, (0, 0), 0, 1, 1, 0, 8) - 4 * cost.step_overhead
     with pytest.raises(ValueError, match="cannot hold"):

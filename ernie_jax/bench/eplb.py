@@ -10,7 +10,7 @@ that window and on a fresh one (a placement is computed from the past and serves
 Reported for R = 0 (re-packing only) and each `--redundant`: balancedness (mean over max tokens per device,
 vLLM's metric; 1.0 is even) without EPLB (expert e on device e // (E / D)) and with it, and the max / mean
 device load. Then the simulated 300B MoE time per step (sum over layers of the slowest device: its routed
-rows' FP8 FLOPs and its expert slots' weight bytes, at PERFORMANCE.md's H200 rates, sim/cost.py H200Cost)
+rows' FP8 FLOPs and its expert slots' weight bytes, at the H200 rates of sim/cost.py H200Cost)
 at decode and prefill token counts: redundant slots add weight bytes, so EPLB pays where steps are
 compute-bound.
 """

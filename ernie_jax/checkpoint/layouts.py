@@ -6,7 +6,7 @@ or `OneOf` (alternative encodings, the first whose tensors exist wins). A `{e}` 
 per expert, stacked into a leading E axis. Keys of `layer` are relative to the layer prefix; the MTP block
 reuses the dense-layer rows under its own prefix.
 
-Layouts (ERNIE45_SPEC.md section 3): the official Paddle release (`ernie.` prefix, [in,out] linears,
+Layouts (docs/model.md §3): the official Paddle release (`ernie.` prefix, [in,out] linears,
 fused [Q|K|V] and [gate|up]) and HF transformers (`model.` prefix, split q/k/v and gate/up, [out,in]).
 PaddleFormers 1.x native saves are detected and refused (see `detect_layout`).
 """

@@ -3,7 +3,7 @@
 Owns: header parsing and validation (a truncated or corrupt file is named, never half-read), the
 dtype table (`U16` = raw bf16 bits as Paddle writes them; `I8`/`U8`/`F8_E4M3` = float8 e4m3fn bits,
 bitcast and never converted by value), sharded checkpoints (`model.safetensors.index.json`) and the
-`mtp/` subfolder. The safetensors package's own numpy loader cannot read F8 tensors (ANCHORS P7); this
+`mtp/` subfolder. The safetensors package's own numpy loader cannot read F8 tensors (docs/xla-notes.md N5); this
 reader does not need it. It also writes files (bf16 as `BF16`, fp8 as `F8_E4M3`) for converters and tests.
 """
 

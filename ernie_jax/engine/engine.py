@@ -21,27 +21,28 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from ernie_jax.engine.instance import Instance
+from ernie_jax.engine.cpu_rules import min_decode_rows
+from ernie_jax.engine.instance import Instance, StepOutputs
+from ernie_jax.engine.kv_cache_manager import KVCacheManager
+from ernie_jax.engine.output_processor import OutputProcessor
+from ernie_jax.engine.page_transfer import PageTransfer
 from ernie_jax.engine.pages import PagePool
 from ernie_jax.engine.policy import PDPolicy
-from ernie_jax.engine.programs import (ModelPrograms, PageTransfer, buckets, decode_buckets, min_decode_rows,
-                                       prefill_shapes, table_pages)
+from ernie_jax.engine.programs import ModelPrograms
 from ernie_jax.engine.request import Request, RequestError, RequestMetrics
+from ernie_jax.engine.runner import ModelRunner
+from ernie_jax.engine.scheduler import Scheduler
+from ernie_jax.engine.shapes import step_shapes, table_pages
+from ernie_jax.engine.stats import EngineStats, snapshot
 from ernie_jax.engine.speculative import SpecDecodeStats, SpeculativeConfig
 from ernie_jax.model.ernie import ErnieForCausalLM
 from ernie_jax.ops.base import FALLBACKS
-from ernie_jax.sampling import GREEDY_BELOW, SamplingParams, SamplingParamsError, sampler_seed
+from ernie_jax.sampling import SamplingParams, SamplingParamsError, sampler_seed
 from ernie_jax.tokenizer import IncrementalDetokenizer
 
 __all__ = ["Engine", "Request", "RequestError", "CompileReport"]
 
 log = logging.getLogger("ernie_jax.engine")
-
-
-def _logprob_entry(token: int, logprob, top_ids, top_lps, n: int) -> dict[str, Any]:
-    """One token's logprob with its top-n alternatives, as outputs carry them."""
-    return {"token": int(token), "logprob": float(logprob),
-            "top": list(zip(map(int, top_ids[:n]), map(float, top_lps[:n])))}
 
 
 class CompileReport(NamedTuple):
@@ -87,12 +88,11 @@ class Engine:
         self.balancer = expert_balancer
         self.max_num_seqs, self.max_model_len, self.page_size = max_num_seqs, max_model_len, page_size
         self.max_pages = table_pages(max_model_len, page_size)
-        self.prefill_chunk = min(prefill_chunk, self.max_pages * page_size)
-        self.eos_token_ids, self.tokenizer = frozenset(eos_token_ids), tokenizer
+        self.prefill_chunk, chunks, prefills, batches = step_shapes(
+            max_num_batched_tokens=prefill_chunk, max_model_len=max_model_len, page_size=page_size,
+            max_num_seqs=max_num_seqs, min_decode_rows=min_decode_rows(model), batch_invariant=batch_invariant)
+        self.tokenizer = tokenizer
         t0 = time.perf_counter()
-        chunks = buckets(self.prefill_chunk, 16)
-        batches = decode_buckets(max_num_seqs, min_decode_rows(model), batch_invariant)
-        prefills = prefill_shapes(chunks, prefill_chunk, 1 if batch_invariant else max_num_seqs)
         pool = dict(num_pages=num_pages, page_size=page_size, speculative_tokens=k,
                     max_pages_per_seq=table_pages(max_model_len, page_size, k),
                     expert_placement=expert_balancer.placement if expert_balancer else None,
@@ -105,7 +105,8 @@ class Engine:
         both = prefill_model is None or self.policy.mode == "dynamic"  # which programs each instance compiles
         self.lock = threading.RLock()  # the waiting queue, the requests, the instances' inboxes
         self.waiting: list[Request] = []
-        self.expert_shape = (self.cfg.num_moe_layers, self.cfg.moe_num_experts)
+        self.outputs = OutputProcessor(max_model_len=max_model_len, eos_token_ids=eos_token_ids,
+                                       tokenizer=tokenizer)
         salt_dtype = None
         self.instances: list[Instance] = []
         for name, home, m in ([("colocated", "mixed", model)] if prefill_model is None else
@@ -115,13 +116,18 @@ class Engine:
                                      score_buckets=scoring if both or home == "prefill" else (), **pool)
             # The prefix cache's hash chain starts from what else decides a page's KV besides its tokens.
             salt_dtype = salt_dtype or programs.cache.k[0].dtype
-            self.instances.append(Instance(name, home, programs, self, policy=self.policy, waiting=self.waiting,
-                                           enable_prefix_caching=enable_prefix_caching,
-                                           salt=f"kv {salt_dtype} page {page_size}".encode()))
+            pages = PagePool(programs.num_pages, page_size, enable_caching=enable_prefix_caching,
+                             salt=f"kv {salt_dtype} page {page_size}".encode())
+            scheduler = Scheduler(name, home, KVCacheManager(pages, max_pages=self.max_pages, lookahead=k),
+                                  self.waiting, policy=self.policy, shapes=programs.shapes, outputs=self.outputs,
+                                  max_num_seqs=max_num_seqs, max_num_batched_tokens=self.prefill_chunk,
+                                  spec_stats=self.spec_stats)
+            runner = ModelRunner(programs, vocab_size=self.cfg.vocab_size, stop_ids=self.outputs.stop_ids)
+            self.instances.append(Instance(name, home, scheduler, runner, lock=self.lock, balancer=expert_balancer))
         if prefill_model is not None:
             prefill, decode = self.instances
             prefill.peer, decode.peer = decode, prefill
-            prefill.transfer = PageTransfer(prefill.programs, decode.programs)
+            prefill.runner.transfer = PageTransfer(prefill.programs, decode.programs)
         for inst in self.instances:
             if inst.pool.capacity < self.max_pages:
                 log.warning("the %s pool holds %d tokens, less than max_model_len %d: requests that may grow "
@@ -173,7 +179,20 @@ class Engine:
     @property
     def expert_tokens(self) -> np.ndarray:
         """Tokens routed to each expert of each MoE layer, [L_moe, E], over every instance."""
-        return sum(i.expert_tokens for i in self.instances)
+        return sum(i.runner.expert_tokens for i in self.instances)
+
+    def stats(self) -> EngineStats:
+        """An immutable snapshot for metrics (engine/stats.py), consistent with the requests recorded."""
+        with self.lock:
+            return snapshot(self)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.outputs.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids) -> None:
+        self.outputs.eos_token_ids = frozenset(ids)
 
     def counter(self, name: str) -> int:
         """A scheduler counter (num_preemptions, prefix_queries, prefix_hits, prefill_tokens) summed over
@@ -219,7 +238,7 @@ class Engine:
                                f"max_model_len {self.max_model_len}", param="min_tokens")
         longest = min(len(prompt_ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
         for inst in self.instances:
-            if why := inst.scheduler.check_fits(longest):
+            if why := inst.scheduler.kv.check_fits(longest):
                 limit = f"max_tokens {params.max_tokens}" if params.max_tokens else f"max_model_len {self.max_model_len}"
                 raise RequestError(f"{len(prompt_ids)} prompt tokens with {limit}: {why} ({inst.name}); lower "
                                    "max_tokens or give the server more KV pages (--num-gpu-blocks-override, "
@@ -255,37 +274,47 @@ class Engine:
             if req is None or req.finished:
                 return
             holder = next((i for i in self.instances if i.holds(req)), None)
-            if holder is None or not self._threads:
-                if holder is not None:
-                    holder.inbox[:] = [h for h in holder.inbox if h.req is not req]
-                self.finish(req, "abort", None, holder)
-                if self.on_output is not None:
-                    self.on_output(req)
+            if holder is not None and self._threads:
+                req.abort_requested = True
+                self._wake.notify_all()
                 return
-            req.abort_requested = True
-            self._wake.notify_all()
+            if holder is not None:
+                holder.scheduler.abort(req)
+            else:
+                self.outputs.finish(req, "abort")
+            self._record([req])
+            if self.on_output is not None:
+                self.on_output(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting) or any(i.scheduler.seats_taken or i.inbox for i in self.instances)
+        return bool(self.waiting) or any(i.scheduler.has_work() for i in self.instances)
 
-    def finish(self, req: Request, reason: str, stop_reason, holder: Instance | None) -> None:
-        """End a request: free its pages on `holder` (the instance holding them, or None)."""
-        if req.detokenizer is not None and not isinstance(stop_reason, str):
-            req.text = self.tokenizer.decode(req.output_ids)  # includes any bytes the stream held back
-        req.finish_reason, req.stop_reason = reason, stop_reason
-        req.metrics.finished_time = time.perf_counter()
+    def _record(self, touched: list[Request]) -> None:
+        """The engine's part of requests that finished: forget them, count them (on_finish: metrics)."""
         with self.lock:
-            # Counted before the pages and the seat are freed: whoever sees the engine idle sees the outcome.
-            if self.on_finish is not None:
-                self.on_finish(req)
-            if holder is not None:
-                holder.scheduler.finish(req)
-            if req in self.waiting:
-                self.waiting.remove(req)
-            self.requests.pop(req.request_id, None)
-            if req.prefilled_on is not None:
-                key = (req.prefilled_on, req.decoded_on)
-                self.placements[key] = self.placements.get(key, 0) + 1
+            for req in touched:
+                if not req.finished or self.requests.pop(req.request_id, None) is None:
+                    continue
+                if req in self.waiting:
+                    self.waiting.remove(req)
+                if self.on_finish is not None:
+                    self.on_finish(req)
+                if req.prefilled_on is not None:
+                    key = (req.prefilled_on, req.decoded_on)
+                    self.placements[key] = self.placements.get(key, 0) + 1
+
+    def _took_step(self, inst: Instance, out: StepOutputs) -> list[Request]:
+        """Book what an instance step reports; returns the requests it touched."""
+        self._record(out.touched)
+        if out.role_switch is not None:
+            with self.lock:
+                key = (inst.name, *out.role_switch)
+                self.role_switches[key] = self.role_switches.get(key, 0) + 1
+        if out.rebalance:
+            self.rebalance_experts()
+        if out.handed_over:
+            self.wake()
+        return out.touched
 
     def rebalance_experts(self) -> dict:
         """EPLB: a new expert placement from the measured load window, applied by every instance at its next
@@ -299,89 +328,9 @@ class Engine:
                 inst.take_placement()
         return out
 
-    def observe_expert_load(self, counts: np.ndarray) -> None:
-        """One instance step's tokens per expert of each MoE layer (EPLB's load window)."""
-        if self.balancer is not None and self.balancer.observe(counts):
-            self.rebalance_experts()
-
-    def role_switch(self, instance: str, src: str, dst: str) -> None:
-        with self.lock:
-            key = (instance, src, dst)
-            self.role_switches[key] = self.role_switches.get(key, 0) + 1
-
-    now = staticmethod(time.perf_counter)  # the instances' clock (the simulator's is virtual)
-
     def wake(self) -> None:
         with self.lock:
             self._wake.notify_all()
-
-    # ---- token rules (called by the instances) ----------------------------------------------------------------
-    def sampling_arrays(self, reqs: list[Request], B: int) -> tuple[dict, int]:
-        """Per-row sampling inputs for the next token of each request (its index: len(output_ids), plus the
-        tokens in flight the caller adds to `steps`)."""
-        pad = B - len(reqs)
-        steps = [len(r.output_ids) for r in reqs]
-        f = lambda xs, fill=0.0: np.asarray(list(xs) + [fill] * pad, np.float32)  # noqa: E731
-        p = [r.params for r in reqs]
-        arrays = {"temperature": f(x.temperature if x.temperature >= GREEDY_BELOW else 0.0 for x in p),
-                  "top_p": f((x.top_p for x in p), 1.0),
-                  "top_k": np.asarray([x.top_k for x in p] + [0] * pad, np.int32),
-                  "seeds": np.asarray([r.seed for r in reqs] + [0] * pad, np.uint32),
-                  "steps": np.asarray(steps + [0] * pad, np.int32),
-                  "min_p": f(x.min_p for x in p) if any(x.min_p for x in p) else None, "penalties": None}
-        suppress = [step < r.params.min_tokens for r, step in zip(reqs, steps)]  # step: the token's index
-        if any(x.uses_penalties for x in p) or any(suppress):
-            V = self.cfg.vocab_size
-            counts, prompt_mask = np.zeros((B, V), np.float32), np.zeros((B, V), bool)
-            bias = np.zeros((B, V), np.float32)
-            for i, r in enumerate(reqs):
-                np.add.at(counts[i], r.output_ids, 1)
-                prompt_mask[i, r.prompt_ids] = True
-                if r.params.logit_bias:
-                    bias[i, list(r.params.logit_bias)] += list(r.params.logit_bias.values())
-                if suppress[i]:  # min_tokens: no stop token before then
-                    bias[i, list(self._stop_ids(r))] = -np.inf
-            arrays["penalties"] = (f(x.presence_penalty for x in p), f(x.frequency_penalty for x in p),
-                                   f((x.repetition_penalty for x in p), 1.0), counts, prompt_mask, bias)
-        return arrays, max((x.logprobs or 0) for x in p)
-
-    def _stop_ids(self, req: Request) -> set[int]:
-        return set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else set(self.eos_token_ids))
-
-    def append(self, req: Request, token: int, logprob: float, top_ids, top_lps, holder: Instance) -> None:
-        """A sampled token joins req's output; stop conditions end it (freeing its pages on holder)."""
-        now = time.perf_counter()
-        if req.metrics.first_token_time is None:
-            req.metrics.first_token_time = now
-        req.output_ids.append(token)
-        if req.params.logprobs is not None:
-            req.logprobs.append(_logprob_entry(token, logprob, top_ids, top_lps, req.params.logprobs))
-        if req.detokenizer is not None:
-            req.text += req.detokenizer.add(token)
-        n_out = len(req.output_ids)
-        if token in self._stop_ids(req) and n_out >= req.params.min_tokens:
-            return self.finish(req, "stop", token, holder)
-        if req.params.stop and n_out >= req.params.min_tokens:
-            for s in req.params.stop:
-                at = req.text.find(s)
-                if at >= 0:
-                    req.text = req.text[:at]
-                    return self.finish(req, "stop", s, holder)
-        if self.done_by_length(req, n_out):
-            return self.finish(req, "length", None, holder)
-        if req in holder.running:
-            holder.scheduler.written(req, req.num_tokens - 1)  # every token but the newest has been fed
-
-    def done_by_length(self, req: Request, n_out: int) -> bool:
-        return req.done_by_length(n_out, self.max_model_len)
-
-    def add_prompt_logprobs(self, req: Request, start: int, targets: list[int], scores) -> None:
-        target_lp, top_ids, top_lps = (a[0] for a in scores)
-        if start == 0:
-            req.prompt_logprobs.append(None)  # nothing precedes the first prompt token
-        for i, token in enumerate(targets):
-            req.prompt_logprobs.append(_logprob_entry(token, target_lp[i], top_ids[i], top_lps[i],
-                                                      req.params.prompt_logprobs))
 
     # ---- stepping -------------------------------------------------------------------------------------------
     def step(self) -> list[Request]:
@@ -390,11 +339,8 @@ class Engine:
         if self._threads:
             raise RuntimeError("the engine's instances step on their own threads (start()); step() is for "
                                "single-threaded use")
-        touched: list[Request] = []
-        pending = [(inst, inst.begin(touched)) for inst in self.instances]
-        for inst, p in pending:
-            inst.end(p, touched)
-        return touched
+        begun = [(inst, inst.begin()) for inst in self.instances]
+        return [r for inst, b in begun for r in self._took_step(inst, inst.end(b))]
 
     def run_until_done(self, request_ids: list[str]) -> None:
         targets = [self.requests[r] for r in request_ids]
@@ -404,7 +350,9 @@ class Engine:
     def recover(self) -> list[Request]:
         """After step() raised: fail the failed step's requests on every instance (Instance.recover, which
         keeps a pool that is intact and rebuilds one that is not); returns them."""
-        return [r for inst in self.instances for r in inst.recover()[0]]
+        failed = [r for inst in self.instances for r in inst.recover()[0]]
+        self._record(failed)
+        return failed
 
     def start(self, on_output: Callable[[Request], None], on_error: Callable[[Request, BaseException], None]) -> None:
         """Step each instance on its own thread until stop(). on_output(req): req got a token or finished;
@@ -428,7 +376,7 @@ class Engine:
         self.stop()
         for inst in self.instances:  # the page bookkeeping's invariant, once nothing steps any more
             try:
-                inst.pool.check()
+                inst.scheduler.kv.check()
                 log.info("%s: KV pool consistent, %d of %d pages free", inst.name, inst.pool.free, inst.pool.capacity)
             except AssertionError as e:
                 log.error("%s: KV pool inconsistent at shutdown: %s", inst.name, e or "pages leaked")
@@ -447,10 +395,11 @@ class Engine:
                     self._wake.wait(timeout=0.05)
                     continue
             try:
-                touched = inst.step()
+                touched = self._took_step(inst, inst.step())
             except Exception as e:  # noqa: BLE001 -- fail that step's requests, keep serving
                 log.exception("%s: step failed", inst.name)
                 failed, kept = inst.recover()
+                self._record(failed)
                 log.error("%s: failed the %d requests of that step; %s", inst.name, len(failed),
                           "its KV pool is intact and keeps its prefix cache" if kept else
                           "its KV pool may be consumed: rebuilt empty, with every request that held pages")

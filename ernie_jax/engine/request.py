@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
 
 from ernie_jax.sampling import SamplingParams
@@ -15,6 +16,15 @@ class RequestError(ValueError):
     def __init__(self, message: str, param: str | None = "prompt"):
         super().__init__(message)
         self.param = param
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is; `Request.holder` names the instance for the middle three."""
+    WAITING = "waiting"  # in the shared queue (new, or preempted)
+    PREFILLING = "prefilling"  # holds a seat and its prompt's pages; chunks of its prompt are being computed
+    RUNNING = "running"  # decoding
+    HANDING_OVER = "handing_over"  # moving to another instance with its KV (PD)
+    FINISHED = "finished"
 
 
 @dataclasses.dataclass
@@ -40,6 +50,8 @@ class Request:
     params: SamplingParams
     seed: int  # the sampler's 32-bit seed (sampling.sampler_seed)
     metrics: RequestMetrics
+    status: RequestStatus = RequestStatus.WAITING
+    holder: str | None = None  # the instance holding its seat and pages (or sending it, or receiving it)
     output_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[dict[str, Any] | None] = dataclasses.field(default_factory=list)  # None for token 0

@@ -1,7 +1,7 @@
 """MTP speculative decoding: its configuration (vLLM's / FastDeploy's `--speculative-config`) and counters.
 
 ERNIE-4.5 ships one MTP layer that predicts the token after next from the main model's state and the next
-token (ERNIE45_SPEC.md section 5). With `{"method": "mtp", "num_speculative_tokens": k}` every decode step
+token (docs/model.md §5). With `{"method": "mtp", "num_speculative_tokens": k}` every decode step
 verifies the k tokens the MTP block drafted in the previous step (the target scores the last token and
 the k drafts in one pass, engine/programs.py `_verify_step`) and drafts k more; k > 1 chains the one
 layer on its own output. Greedy requests accept a draft iff it is the target's argmax, so their tokens

@@ -1,7 +1,7 @@
 """Pure building blocks of the ERNIE-4.5 forward pass: norm, rotary embedding, attention, SwiGLU, MoE.
 
 Every function takes arrays (and the static config) and returns arrays, so the same code runs eagerly,
-under jit, and inside shard_map. The numerics follow ERNIE45_SPEC.md section 2: fp32 norm statistics,
+under jit, and inside shard_map. The numerics follow docs/model.md §2: fp32 norm statistics,
 interleaved (GPT-J style) RoPE computed in fp32, fp32 attention softmax, an fp32 router whose correction
 bias only steers selection, renormalised top-k weights and a dropless expert computation. How each op is
 computed (kernels, XLA:CPU forms) is the execution config's choice (`ex`, ops/execution.py); `plan` is the
@@ -88,7 +88,7 @@ def paged_attention(q, k_pool, v_pool, k_scale, v_scale, tables, positions, ex: 
     Under a mesh a kernel runs per device over its KV heads where the layout allows; the XLA form then reads
     the whole table in one block, with `constrain` pinning the gathered slots to the cache's head layout:
     a loop over blocks would gather pages from the other devices on every iteration and make XLA copy the
-    pool around the loop (a decode step of the 4-device CPU submesh went from 18 ms to 700 ms)."""
+    pool around the loop (benchmarks/RESULTS.md, "CPU measurements behind design choices")."""
     args = (q, k_pool, v_pool, k_scale, v_scale, tables, positions)
     if plan is None:
         return paged_attention_op(*args, implementation=ex.paged_attention, block_slots=ex.attention_block_slots,

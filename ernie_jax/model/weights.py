@@ -167,8 +167,9 @@ def cpu_layout(weights: dict[str, Any], expert_groups: int = 1) -> dict[str, Any
     """The weights as the engine runs them on XLA:CPU: each segment's stacked [L, ...] leaves split into a
     list of L per-layer pytrees (each leaf its own buffer, on the same devices and sharded like its stacked
     leaf), which forward() unrolls. XLA:CPU copies a layer's weights out of the stack on every step of a
-    lax.scan (a dynamic slice feeding a matmul), which made the bench model's decode step 8x slower in bf16;
-    accelerators read the slice in place and keep the scan.
+    lax.scan (a dynamic slice feeding a matmul), which makes a bf16 decode step several times slower
+    (benchmarks/RESULTS.md, "CPU measurements behind design choices"); accelerators read the slice in place
+    and keep the scan.
 
     expert_groups > 1 (unsharded bf16/f32 routed experts; a divisor of E): each layer's [E, ...] expert
     leaves also become a tuple of that many [E/groups, ...] stacks (layers.routed_experts takes either

@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException
 
 from ernie_jax.engine.async_engine import AsyncEngine, EngineError
 from ernie_jax.engine.request import RequestError
+from ernie_jax.engine.output_processor import check_requests, samples
 from ernie_jax.engine.outputs import RequestOutput
 from ernie_jax.sampling import SamplingParams
 from ernie_jax.serve.metrics import ServerMetrics
@@ -200,12 +201,10 @@ async def _respond(server: Server, request: Request, body, prompts: list[_Prompt
     if params.n > server.max_n:
         raise ProtocolError(f"n={params.n} is more than this server allows ({server.max_n})", param="n")
     engine = server.engine.engine
-    for i, p in enumerate(prompts):  # the whole request is checked before any of it is queued
-        try:
-            engine.validate(p.ids, params)
-        except RequestError as e:
-            raise ProtocolError(f"prompt {i}: {e}" if len(prompts) > 1 and e.param == "prompt" else str(e),
-                                param=e.param) from None
+    try:
+        check_requests(engine.validate, [p.ids for p in prompts], [params] * len(prompts))
+    except RequestError as e:
+        raise ProtocolError(str(e), param=e.param) from None
     count = len(prompts) * params.n
     if len(engine.waiting) + count > server.max_queue_len:
         raise ProtocolError(f"the server is busy ({len(engine.waiting)} requests waiting, limit "
@@ -222,9 +221,9 @@ def _add_requests(server: Server, request_id: str, prompts: list[_Prompt], param
     streams = []
     try:
         for i, p in enumerate(prompts):
-            for j in range(params.n):
+            for j, sample in enumerate(samples(params)):
                 rid = f"{request_id}-{i}-{j}"
-                streams.append((rid, server.engine.add_request(p.ids, params.for_sample(j), rid, p.text)))
+                streams.append((rid, server.engine.add_request(p.ids, sample, rid, p.text)))
     except RequestError as e:
         for rid, _ in streams:
             server.engine.abort(rid)

@@ -69,15 +69,16 @@ class _EngineCollector:
 
     def collect(self):
         e, name = self.engine, self.model_name
+        stats = e.stats()
         g = GaugeMetricFamily("ernie_jax:num_requests_running", "Requests in prefill or decode (or moving between "
                               "the PD instances)", labels=["model_name"])
-        g.add_metric([name], sum(i.scheduler.seats_taken for i in e.instances) + e.num_handing_over)
+        g.add_metric([name], stats.num_running)
         yield g
         g = GaugeMetricFamily("ernie_jax:num_requests_waiting", "Requests waiting for KV pages or a batch slot",
                               labels=["model_name"])
-        g.add_metric([name], len(e.waiting))
+        g.add_metric([name], stats.num_waiting)
         yield g
-        pools = e.pools.items()
+        pools = stats.pools.items()
         g = GaugeMetricFamily("ernie_jax:kv_cache_usage_perc", "Fraction of KV pages held by requests, per pool",
                               labels=["model_name", "pool"])
         for role, pool in pools:
@@ -87,7 +88,7 @@ class _EngineCollector:
                               "cached prefix (evicted LRU when the pool needs them), per pool",
                               labels=["model_name", "pool"])
         for role, pool in pools:
-            g.add_metric([name, role], pool.cached_free / pool.capacity)
+            g.add_metric([name, role], pool.cached_free)
         yield g
         for metric, counter, doc in (
                 ("prefix_cache_queries", "prefix_queries", "Prompt tokens looked up in the prefix cache"),
@@ -95,7 +96,7 @@ class _EngineCollector:
                 ("num_preemptions", "num_preemptions", "Requests preempted (pages freed, recomputed later)"),
                 ("prefill_computed_tokens", "prefill_tokens", "Tokens prefills computed (not served by the cache)")):
             c = CounterMetricFamily(f"ernie_jax:{metric}", doc, labels=["model_name"])
-            c.add_metric([name], float(e.counter(counter)))
+            c.add_metric([name], float(stats.counters[counter]))
             yield c
         info = InfoMetricFamily("ernie_jax:op_implementation", "The implementation each op runs, and why preferred "
                                 "ones were not used", labels=["model_name", "op"])
@@ -104,22 +105,22 @@ class _EngineCollector:
         yield info
         c = CounterMetricFamily("ernie_jax:moe_expert_tokens", "Tokens routed to each expert of each MoE layer",
                                 labels=["model_name", "layer", "expert"])
-        counts = e.expert_tokens.copy()
+        counts = stats.expert_tokens
         for row, layer in enumerate(e.moe_layers):
             for expert, n in enumerate(counts[row]):
                 c.add_metric([name, str(layer), str(expert)], float(n))
         yield c
         c = CounterMetricFamily("ernie_jax:submesh_busy_seconds", "Seconds from dispatch to result of each "
                                 "instance's (submesh's) programs", labels=["model_name", "submesh", "program"])
-        for inst in e.instances:
-            for program, seconds in inst.busy_seconds.items():
-                c.add_metric([name, inst.name, program], seconds)
+        for inst, programs in stats.busy_seconds.items():
+            for program, seconds in programs.items():
+                c.add_metric([name, inst, program], seconds)
         yield c
         c = CounterMetricFamily("ernie_jax:submesh_steps", "Steps each instance completed, per program",
                                 labels=["model_name", "submesh", "program"])
-        for inst in e.instances:
-            for program, n in inst.steps.items():
-                c.add_metric([name, inst.name, program], float(n))
+        for inst, programs in stats.steps.items():
+            for program, n in programs.items():
+                c.add_metric([name, inst, program], float(n))
         yield c
         if e.balancer is not None:  # EPLB
             g = GaugeMetricFamily("ernie_jax:eplb_balancedness", "Per MoE layer: mean over max tokens per expert-"

@@ -1,7 +1,7 @@
 """Collectives that not every backend has, behind one call each.
 
 `ragged_all_to_all` is `jax.lax.ragged_all_to_all` on GPU and TPU. XLA:CPU cannot compile that op
-(ANCHORS P4, jax#34755), so on CPU the same semantics are built from an all-gather and masked scatters:
+(docs/xla-notes.md N2, jax#34755), so on CPU the same semantics are built from an all-gather and masked scatters:
 slower and O(n) in memory, but exact, which lets the all-to-all expert-parallel path be tested on fake CPU
 devices. `lax.platform_dependent` picks the branch when the program is lowered, so a program lowered for
 CUDA on this machine contains the real ragged all-to-all.

@@ -3,7 +3,7 @@
 Every mesh has the three axes ("data", "expert", "tensor"), in that order, so one rules table serves all
 shapes. A plain count N means (data=1, expert=1, tensor=N): attention is split by heads over "tensor" and
 the experts over "expert" x "tensor" (see rules.py), which is how the 300B model fits 8 GPUs.
-Meshes are of AxisType.Auto (ANCHORS P1): programs are sharded by their input/output shardings and by
+Meshes are of AxisType.Auto (docs/xla-notes.md N1): programs are sharded by their input/output shardings and by
 `shard_map` in the MoE block, never by ambient mesh context.
 """
 

@@ -63,7 +63,7 @@ def calibrate(args) -> int:
     from ernie_jax.sharding.mesh import request_host_devices
     request_host_devices(args.mesh)
     from ernie_jax import LLM
-    from ernie_jax.engine.programs import min_decode_rows
+    from ernie_jax.engine.cpu_rules import min_decode_rows
 
     trace = lambda seed: make_trace(args.trace, args.rate, args.num_requests, seed=seed, scale=args.scale,  # noqa: E731
                                     max_model_len=args.max_model_len)

@@ -9,8 +9,8 @@ two instances share the host's cores (fitted from how much of each step the othe
 overlapped; non-negative least squares). A hand-over costs its measured seconds per KV
 token.
 
-`H200Cost`: ERNIE-4.5-300B-A47B-FP8 on H200s, from the roofline figures of shared/docs/PERFORMANCE.md
-(section 3). Assumptions, all parameters of the dataclass:
+`H200Cost`: ERNIE-4.5-300B-A47B-FP8 on H200s, from H200 roofline figures (per device: 141 GB of
+HBM3e at 4.8 TB/s, 1,979 dense FP8 TFLOP/s; model sizes from docs/model.md §7). Assumptions, all parameters of the dataclass:
 - decode step = weight bytes read (dense 10.3 GB + lm_head 1.7 GB, plus the distinct experts the batch
   touches, 64 (1 - (7/8)^B) per layer of 88.1 MB, over 51 layers) + KV bytes (110,592 per token of
   context) at `hbm_efficiency` of 4.8 TB/s per device, plus 94.1 GFLOP per row at `decode_flops_efficiency`

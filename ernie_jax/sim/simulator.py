@@ -1,15 +1,15 @@
-"""The discrete-event PD simulator: the engine's own instance step boundary, scheduler, page pools and PD
-policy, with a cost model in place of the devices and a virtual clock in place of time.
+"""The discrete-event PD simulator: the engine's own instances, schedulers, page pools, output rules and PD
+policy, with a runner that charges a cost model's time instead of running programs, on a virtual clock.
 
-`SimInstance` is an `engine.instance.Instance` whose dispatch and read are replaced: a step "runs" for
-the cost model's time of what it dispatched (the shape the real instance would run: bucketed prefill
-(B, T), decode batch, contexts), every decoding row gets one token, a finished prompt its first token.
-Hand-overs cost the sender the transfer time of the request's pages, and the request reaches the receiver
-once that time has passed. Two steps running at once share the
-machine as the cost model's `contention` says (processor sharing: each progresses at 1 / (1 + the
-contention of the other's kind); hand-over times are not shared, being measured as they ran). Everything else (admission with its
-bypass rule, pages on demand, preemption, prefix caching, hand-over and role-switching decisions) is the
-engine's code. Requests end by length only (the trace fixes output lengths).
+`SimRunner` replaces only the engine's runner: a step "runs" for the cost model's time of what its plan
+dispatches (the shapes the real instance would run: bucketed prefill (B, T), decode batch, contexts),
+every decoding row gets one token, a completed prompt its first token. Hand-overs cost the sender the
+transfer time of the request's pages, and the request reaches the receiver once that time has passed.
+Two steps running at once share the machine as the cost model's `contention` says (processor sharing:
+each progresses at 1 / (1 + the contention of the other's kind); hand-over times are not shared, being
+measured as they ran). Everything else (admission with its bypass rule, pages on demand, preemption,
+prefix caching, hand-over and role-switching decisions, the stop rules) is the engine's code. The trace
+fixes output lengths (requests ignore EOS), so requests end by length.
 """
 
 from __future__ import annotations
@@ -22,9 +22,14 @@ import threading
 import numpy as np
 
 from ernie_jax.engine.instance import Instance
+from ernie_jax.engine.kv_cache_manager import KVCacheManager
+from ernie_jax.engine.output_processor import OutputProcessor
+from ernie_jax.engine.pages import PagePool
 from ernie_jax.engine.policy import PDPolicy
-from ernie_jax.engine.programs import buckets, decode_buckets, prefill_shapes
 from ernie_jax.engine.request import Request, RequestMetrics
+from ernie_jax.engine.scheduler import Scheduler
+from ernie_jax.engine.shapes import ShapeTable, step_shapes, table_pages
+from ernie_jax.engine.step import RowOutput, StepPlan, StepResult
 from ernie_jax.sampling import SamplingParams
 from ernie_jax.sim.cost import CostModel, step_kind
 from ernie_jax.sim.traces import TraceRequest
@@ -41,128 +46,59 @@ class SimConfig:
     page_size: int = 64
     max_model_len: int = 16384
     enable_prefix_caching: bool = True
-    min_decode_rows: int = 1  # engine.programs.min_decode_rows of the model
+    min_decode_rows: int = 1  # engine.cpu_rules.min_decode_rows of the model
 
 
-class SimPrograms:
-    """The bucket tables a real ModelPrograms would have compiled (what decides the shapes a step runs)."""
+class SimRunner:
+    """The engine's runner contract in virtual time: plans in, one token per row out, costs from the model."""
 
-    k = 0  # speculative tokens per decode step: the simulator models plain decoding
+    in_flight = False  # the simulator's schedulers do not chain decode steps (overlap=False)
+    programs = None  # no compiled programs (the simulator models fixed expert placement: no EPLB)
 
-    def __init__(self, num_pages: int, cfg: SimConfig):
-        self.num_pages, self.page_size = num_pages, cfg.page_size
-        self.max_pages = -(-cfg.max_model_len // cfg.page_size)
-        chunks = buckets(min(cfg.prefill_chunk, self.max_pages * cfg.page_size), 16)
-        self.ready = {"prefill": sorted(prefill_shapes(chunks, cfg.prefill_chunk, cfg.max_num_seqs)),
-                      "decode": decode_buckets(cfg.max_num_seqs, cfg.min_decode_rows)}
-
-    def bucket(self, kind: str, n: int) -> int:
-        if kind == "prefill":
-            return next(T for B, T in self.ready["prefill"] if B == 1 and T >= n)
-        return next(b for b in self.ready[kind] if b >= n)
-
-    def prefill_batches(self, T: int) -> list[int]:
-        return [B for B, t in self.ready["prefill"] if t == T]
-
-
-class SimHost:
-    """What an Instance asks of its Engine, on a virtual clock."""
-    expert_shape = (0, 0)
-    balancer = None  # the simulator models fixed expert placement
-
-    def __init__(self, cfg: SimConfig):
-        self.cfg, self.clock = cfg, 0.0
-        self.max_num_seqs, self.prefill_chunk, self.max_model_len = cfg.max_num_seqs, cfg.prefill_chunk, cfg.max_model_len
-        self.max_pages = -(-cfg.max_model_len // cfg.page_size)
-        self.lock = threading.RLock()
-        self.events: list[tuple] = []  # (time, order, kind, what): the simulation's event queue
-        self.order = itertools.count()
-        self.waiting: list[Request] = []
-        self.role_switches: dict[tuple[str, str, str], int] = {}
-        self.placements: dict[tuple[str, str], int] = {}
-
-    def observe_expert_load(self, counts) -> None:
-        pass
-
-    def now(self) -> float:
-        return self.clock
-
-    def wake(self) -> None:
-        pass
-
-    def at(self, t: float) -> None:
-        """An event at virtual time t (instances look for work at every event)."""
-        heapq.heappush(self.events, (t, next(self.order), "wake", None))
-
-    def role_switch(self, instance: str, src: str, dst: str) -> None:
-        key = (instance, src, dst)
-        self.role_switches[key] = self.role_switches.get(key, 0) + 1
-
-    def done_by_length(self, req: Request, n_out: int) -> bool:
-        return req.done_by_length(n_out, self.max_model_len)
-
-    def finish(self, req: Request, reason: str, stop_reason, holder) -> None:
-        req.finish_reason, req.metrics.finished_time = reason, self.clock
-        if holder is not None:
-            holder.scheduler.finish(req)
-        key = (req.prefilled_on, req.decoded_on)
-        self.placements[key] = self.placements.get(key, 0) + 1
-
-    def append(self, req: Request, token: int, logprob, top_ids, top_lps, holder) -> None:
-        if req.metrics.first_token_time is None:
-            req.metrics.first_token_time = self.clock
-        req.output_ids.append(token)
-        if self.done_by_length(req, len(req.output_ids)):
-            return self.finish(req, "length", None, holder)
-        if req in holder.running:
-            holder.scheduler.written(req, req.num_tokens - 1)
-
-
-class SimInstance(Instance):
-    def __init__(self, name: str, home: str, devices: int, num_pages: int, host: SimHost, cost: CostModel,
-                 policy: PDPolicy):
-        super().__init__(name, home, SimPrograms(num_pages, host.cfg), host, policy=policy, waiting=host.waiting,
-                         enable_prefix_caching=host.cfg.enable_prefix_caching, salt=b"sim")
-        self.devices, self.cost = devices, cost
+    def __init__(self, devices: int, cost: CostModel, page_size: int):
+        self.devices, self.cost, self.page_size = devices, cost, page_size
         self.busy = 0.0  # virtual seconds spent stepping
+        self.in_step: list = []
 
-    def _copy_out(self, src_pages: list[int]) -> float:
-        """Charges the transfer to this step; the KV lands on the peer (its Handoff.pages) that much later."""
-        self._transfer += self.cost.transfer(len(src_pages) * self.pool.page_size, self.devices)
-        landed = self.host.clock + self._transfer
-        self.host.at(landed)
-        return landed
+    def copy_out(self, src_pages: list[int]) -> tuple[None, float]:
+        return None, self.cost.transfer(len(src_pages) * self.page_size, self.devices)
 
-    def _landed(self, h) -> bool:
-        return h.pages <= self.host.clock
-
-    def _copy_in(self, h, pages: list[int]) -> None:
+    def copy_in(self, h, pages: list[int], sender) -> None:
         pass
 
-    def _dispatch(self, touched, prefill):
-        done = []
-        if prefill is not None:
-            for req, _, chunk in prefill[0]:
-                self.scheduler.prefilled(req, len(chunk))
-                if req.num_prefilled == len(req.prefill_ids):
-                    done.append(req)
-        return [("prefill", done), ("decode", list(self.running))], []
+    def dispatch(self, plan: StepPlan) -> tuple[StepPlan, list]:
+        return plan, []
 
-    def _read(self, pending, touched, scored=()) -> None:
-        for kind, reqs in pending:
-            for req in reqs:
-                self._deliver(kind, req, 1, 0.0, None, None, touched)
+    def read(self, plan: StepPlan, scored=()) -> StepResult:
+        rows = [RowOutput(c.req, "prefill", [1]) for c in plan.prefill if c.completes]
+        return StepResult(rows + [RowOutput(r, "decode", [1]) for r in plan.decode])
 
-    def step_seconds(self, shape) -> float:
-        """The cost model's time for a step of this shape (Instance._shape), running alone."""
-        return self.cost.step(*shape, self.devices)
+    def seconds(self, plan: StepPlan) -> float:
+        """The cost model's time for this plan's step, running alone."""
+        return self.cost.step(*plan.record_fields(), self.devices)
+
+
+def _instance(name: str, home: str, devices: int, cfg: SimConfig, cost: CostModel, policy: PDPolicy,
+              waiting: list[Request], outputs: OutputProcessor, clock) -> Instance:
+    """An engine instance over a simulated runner, sized and shaped as Engine sizes and shapes a real one."""
+    budget, _, prefills, decodes = step_shapes(max_num_batched_tokens=cfg.prefill_chunk,
+                                               max_model_len=cfg.max_model_len, page_size=cfg.page_size,
+                                               max_num_seqs=cfg.max_num_seqs, min_decode_rows=cfg.min_decode_rows)
+    pool = PagePool(cost.pages(devices, cfg.page_size), cfg.page_size, enable_caching=cfg.enable_prefix_caching,
+                    salt=b"sim")
+    kv = KVCacheManager(pool, max_pages=table_pages(cfg.max_model_len, cfg.page_size))
+    scheduler = Scheduler(name, home, kv, waiting, policy=policy, shapes=ShapeTable(prefills, decodes),
+                          outputs=outputs, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=budget,
+                          overlap=False)
+    return Instance(name, home, scheduler, SimRunner(devices, cost, cfg.page_size), lock=threading.RLock(),
+                    clock=clock)
 
 
 @dataclasses.dataclass
 class _Running:
     """A step in progress: its hand-overs, then `remaining` seconds of work (at rate 1, alone) at its
     current `rate`."""
-    inst: SimInstance
+    inst: Instance
     pending: tuple
     kind: str
     transfer: float  # seconds of hand-over left first: measured times, contention included, so not shared
@@ -205,15 +141,17 @@ class SimResult:
 
 
 def simulate(trace: list[TraceRequest], cost: CostModel, cfg: SimConfig, policy: PDPolicy | None = None) -> SimResult:
-    host = SimHost(cfg)
+    clock = [0.0]
+    now = lambda: clock[0]  # noqa: E731
+    waiting: list[Request] = []
+    outputs = OutputProcessor(max_model_len=cfg.max_model_len, clock=now)
     if cfg.mode == "colocated":
-        insts = [SimInstance("colocated", "mixed", cfg.devices, cost.pages(cfg.devices, cfg.page_size), host, cost,
-                             PDPolicy())]
+        insts = [_instance("colocated", "mixed", cfg.devices, cfg, cost, PDPolicy(), waiting, outputs, now)]
     else:
         policy = policy or PDPolicy(cfg.mode)
         n_p, n_d = cfg.prefill_devices, cfg.devices - cfg.prefill_devices
-        insts = [SimInstance("prefill", "prefill", n_p, cost.pages(n_p, cfg.page_size), host, cost, policy),
-                 SimInstance("decode", "decode", n_d, cost.pages(n_d, cfg.page_size), host, cost, policy)]
+        insts = [_instance("prefill", "prefill", n_p, cfg, cost, policy, waiting, outputs, now),
+                 _instance("decode", "decode", n_d, cfg, cost, policy, waiting, outputs, now)]
         insts[0].peer, insts[1].peer = insts[1], insts[0]
     rng = np.random.default_rng(0)
     reqs = []
@@ -222,21 +160,24 @@ def simulate(trace: list[TraceRequest], cost: CostModel, cfg: SimConfig, policy:
             t.prefix + rng.integers(3, 100_000, t.prompt_len - len(t.prefix)).tolist()
         reqs.append(Request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=t.output_len, ignore_eos=True),
                             0, RequestMetrics(t.arrival)))
-    events, order = host.events, host.order
-    events += [(r.metrics.arrival_time, next(order), "arrive", r) for r in reqs]
+    order = itertools.count()
+    events = [(r.metrics.arrival_time, next(order), "arrive", r) for r in reqs]
     heapq.heapify(events)
     stepping: dict[str, _Running] = {}
+    role_switches: dict[tuple[str, str, str], int] = {}
+    placements: dict[tuple[str, str], int] = {}
 
-    def start(inst: SimInstance) -> None:
+    def start(inst: Instance) -> None:
         if inst.name in stepping or inst.idle():
             return
-        pending = inst.begin([])
-        shape = pending[1]
-        if shape is None and not inst._transfer:
+        begun = inst.begin()
+        plan = begun[1]
+        for h in inst.peer.inbox if plan.hand_over else ():
+            heapq.heappush(events, (h.ready_at, next(order), "wake", None))  # the receiver looks when it lands
+        if plan.empty and not inst.transfer_seconds:
             return  # nothing runnable (e.g. requests waiting for its pages): wait for the next event
-        shape = shape or (0, (0, 0), 0, 0, 0, 0)
-        stepping[inst.name] = _Running(inst, pending, step_kind(shape[0]), inst._transfer, inst.step_seconds(shape),
-                                       host.clock)
+        stepping[inst.name] = _Running(inst, begun, step_kind(plan.record_fields()[0]), inst.transfer_seconds,
+                                       inst.runner.seconds(plan), clock[0])
 
     def reschedule() -> None:
         """Each running step's rate given what runs beside it (processor sharing); pushes its end event."""
@@ -244,21 +185,28 @@ def simulate(trace: list[TraceRequest], cost: CostModel, cfg: SimConfig, policy:
             rate = 1 / (1 + sum(cost.contention[o.kind] for n, o in stepping.items() if n != name))
             if rate != run.rate or not run.version:
                 run.rate, run.version = rate, run.version + 1
-                heapq.heappush(events, (host.clock + run.left(), next(order), "end", (run, run.version)))
+                heapq.heappush(events, (clock[0] + run.left(), next(order), "end", (run, run.version)))
 
     while events:
-        clock, _, kind, what = heapq.heappop(events)
+        t, _, kind, what = heapq.heappop(events)
         if kind == "end" and (stepping.get(what[0].inst.name) is not what[0] or what[0].version != what[1]):
             continue  # superseded by a rate change
         for run in stepping.values():
-            run.advance(clock - host.clock)
-        host.clock = clock
+            run.advance(t - clock[0])
+        clock[0] = t
         if kind == "arrive":
-            host.waiting.append(what)
+            waiting.append(what)
         elif kind == "end":
             run = stepping.pop(what[0].inst.name)
-            run.inst.busy += clock - run.started
-            run.inst.end(run.pending, [])
+            run.inst.runner.busy += t - run.started
+            out = run.inst.end(run.pending)
+            if out.role_switch is not None:
+                key = (run.inst.name, *out.role_switch)
+                role_switches[key] = role_switches.get(key, 0) + 1
+            for req in out.touched:
+                if req.finished:
+                    key = (req.prefilled_on, req.decoded_on)
+                    placements[key] = placements.get(key, 0) + 1
         for inst in insts:
             start(inst)
         reschedule()
@@ -267,5 +215,5 @@ def simulate(trace: list[TraceRequest], cost: CostModel, cfg: SimConfig, policy:
         raise RuntimeError(f"{len(unfinished)} requests never finished (a request larger than a pool?)")
     t0 = min(r.metrics.arrival_time for r in reqs)
     duration = max(r.metrics.finished_time for r in reqs) - t0
-    return SimResult(cfg, reqs, duration, {i.name: i.busy / duration for i in insts}, host.role_switches,
-                     host.placements)
+    return SimResult(cfg, reqs, duration, {i.name: i.runner.busy / duration for i in insts}, role_switches,
+                     placements)

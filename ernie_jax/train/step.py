@@ -1,7 +1,7 @@
 """One training step of ErnieForCausalLM's weights pytree: loss, optimizer and router-bias balancing.
 
 The loss is the next-token cross entropy plus `mtp_weight` times the MTP block's cross entropy for token
-t+2 (ERNIE45_SPEC.md 5.1: the block sees x_{t+1} and the main model's final-normed h_t, exactly what the
+t+2 (docs/model.md §5: the block sees x_{t+1} and the main model's final-normed h_t, exactly what the
 serving path's forward.mtp_forward computes). Master weights are f32; the forward runs in `compute_dtype`
 (bf16) with the router, its bias and the logits in f32 as at inference.
 

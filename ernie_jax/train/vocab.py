@@ -26,7 +26,7 @@ UNK, BOS, EOS = "<unk>", "<s>", "</s>"
 CLS, SEP, MASK = "<|begin_of_sentence|>", "<|end_of_sentence|>", "<mask:1>"
 ERNIE_SPECIALS = [CLS, SEP, MASK, "<mask:4>", "<mask:5>", "<mask:6>", "<mask:7>"]
 
-# ERNIE's chat template (ERNIE45_SPEC.md section 6), rendered exactly like tokenizer.Tokenizer.apply_chat_template;
+# ERNIE's chat template (docs/model.md §6), rendered exactly like tokenizer.Tokenizer.apply_chat_template;
 # content is a string or a list of {"type": "text", "text": ...} parts.
 CHAT_TEMPLATE = (
     "{%- if not add_generation_prompt is defined -%}{%- set add_generation_prompt = true -%}{%- endif -%}"
@@ -139,7 +139,7 @@ def special_tokens_map() -> dict:
             "sep_token": SEP, "mask_token": MASK, "additional_special_tokens": ERNIE_SPECIALS[3:]}
 
 
-GENERATION_CONFIG = {  # ERNIE45_SPEC.md section 6
+GENERATION_CONFIG = {  # docs/model.md §6
     "do_sample": True, "top_p": 0.8, "temperature": 0.8, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
     "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
 }

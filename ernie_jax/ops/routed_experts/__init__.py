@@ -24,8 +24,8 @@ from ernie_jax.ops.routed_experts.tiled import tiled_experts
 
 
 def xla_cpu_experts(x, weights, ids, up_gate, down, num_experts, first_expert, batch_invariant, opts):
-    """The capacity form at decode sizes; the tiled form once the mean expert load reaches a tile (one
-    bench-512 MoE layer at 2048 tokens: 28 ms against 68 ms). Block-FP8 experts and batch-invariant steps
+    """The capacity form at decode sizes; the tiled form once the mean expert load reaches a tile (faster
+    there: benchmarks/RESULTS.md, "CPU measurements behind design choices"). Block-FP8 experts and batch-invariant steps
     keep the capacity form (a tile would dequantize its expert's weights once per tile; batch invariance is
     defined on the capacity form)."""
     tiled = (not batch_invariant and isinstance(up_gate, (jax.Array, tuple))

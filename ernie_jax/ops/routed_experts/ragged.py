@@ -1,7 +1,7 @@
 """The reference routed experts: assignments sorted by expert, one grouped (ragged) matmul per projection.
 
 The cost follows the routed rows, which is what accelerators want; block-FP8 experts run the
-grouped_fp8_matmul op. XLA:CPU runs ragged_dot as a dense loop over every group on every row (ANCHORS P5),
+grouped_fp8_matmul op. XLA:CPU runs ragged_dot as a dense loop over every group on every row (docs/xla-notes.md N3),
 which is why CPUs take xla_cpu.py's forms.
 """
 

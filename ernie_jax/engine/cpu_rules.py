@@ -1,0 +1,47 @@
+"""The rules that exist only because XLA:CPU is the test bed: one place, read by the runner side of the
+engine (programs, pool layout) and never by the model math.
+
+- `min_decode_rows`: a lone sequence decodes beside a padding row when a plain bf16 matmul is involved;
+- `cpu_expert_groups`: how many groups an unsharded model's routed experts are split into
+  (model/weights.cpu_layout lays the weights out per group).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+
+from ernie_jax.model.ernie import ErnieForCausalLM
+from ernie_jax.model.weights import QUANTIZABLE
+from ernie_jax.quant import BlockFP8
+
+
+def platform(model: ErnieForCausalLM) -> str:
+    """The platform ("cpu", "gpu", "tpu") the model's weights live on."""
+    return next(iter(jax.tree.leaves(model.weights())[0].devices())).platform
+
+
+def min_decode_rows(model: ErnieForCausalLM) -> int:
+    """2 on CPU for a model with a plain bf16 matmul (a linear, or the LM head: the tied embedding of an FP8
+    release is bf16), else 1. XLA:CPU runs a one-row bf16 matmul (a matrix-vector product) through a fallback
+    that converts the weight to f32 on every call (a two-row step is ten times faster than a one-row one:
+    benchmarks/RESULTS.md, "CPU measurements behind design choices"), so there a lone sequence decodes
+    beside a padding row. Block-FP8 and f32
+    linears do not take that fallback."""
+    if platform(model) != "cpu":
+        return 1
+    w = model.weights()
+    head = w["lm_head"] if w.get("lm_head") is not None else w["embed"]
+    plain_bf16 = [a for seg in w["segments"] for name, a in seg.items()
+                  if name in QUANTIZABLE and not isinstance(a, BlockFP8) and a.dtype == jnp.bfloat16]
+    return 2 if plain_bf16 or head.dtype == jnp.bfloat16 else 1
+
+
+def cpu_expert_groups(num_experts: int) -> int:
+    """How many groups an unsharded CPU model's routed experts are split into (weights.cpu_layout): one per
+    core XLA:CPU runs on, the largest divisor of num_experts that is not above the core count."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(g for g in range(1, max(1, min(cores, num_experts)) + 1) if num_experts % g == 0)
+

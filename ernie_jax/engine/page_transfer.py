@@ -1,0 +1,56 @@
+"""Moving requests' KV pages between two instances' pools (prefill/decode disaggregation in one process)."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+from ernie_jax.engine.shapes import buckets
+
+
+class PageTransfer:
+    """Moves requests' KV pages from one instance's pool to another's in two halves, each run by the thread
+    of the instance whose pool it touches: `gather` (sender: gather the pages on the source mesh, one
+    device_put onto the destination mesh, wait for it) and `scatter` (receiver: write them into its pool,
+    donated, not waited for). Page counts are bucketed to powers of two, so a few compiled shapes serve
+    every prompt length; `seconds` totals the gathers and copies."""
+
+    def __init__(self, src, dst):
+        """src, dst: the two instances' ModelPrograms."""
+        self.src, self.dst = src, dst
+        self.buckets = buckets(src.max_pages)
+        self.page_shardings = dst.cache_shardings  # a page batch is laid out like the pool it goes to
+        self._gather = jax.jit(lambda cache, ids: jax.tree.map(lambda a: a[:, ids], cache),
+                               in_shardings=(src.cache_shardings, src.replicated),
+                               out_shardings=src.cache_shardings)
+        self._scatter = jax.jit(lambda cache, pages, ids: jax.tree.map(lambda a, p: a.at[:, ids].set(p), cache, pages),
+                                donate_argnums=(0,), in_shardings=(dst.cache_shardings, self.page_shardings,
+                                                                   dst.replicated),
+                                out_shardings=dst.cache_shardings)
+        self.seconds, self.bytes, self.pages = 0.0, 0, 0  # totals of every gather
+        self.last: tuple[list[int], list[int]] | None = None  # (source, destination) pages of the last move
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def gather(self, src_pages: list[int]):
+        """The pages' KV as a page batch on the destination mesh; returns once the copy has landed."""
+        n = self.bucket(len(src_pages))
+        t0 = time.perf_counter()
+        pages = self._gather(self.src.cache, self.src.put(np.asarray(src_pages + [0] * (n - len(src_pages)), np.int32)))
+        moved = jax.block_until_ready(jax.device_put(pages, self.page_shardings))
+        self.seconds += time.perf_counter() - t0
+        self.bytes += sum(a.nbytes for a in jax.tree.leaves(pages)) * len(src_pages) // n
+        self.pages += len(src_pages)
+        return moved
+
+    def scatter(self, moved, src_pages: list[int], dst_pages: list[int]) -> None:
+        """Write the page batch gathered from src_pages into the destination pool at dst_pages (as many;
+        the batch's padding goes to the null page)."""
+        n = jax.tree.leaves(moved)[0].shape[1]
+        ids = self.dst.put(np.asarray(dst_pages + [0] * (n - len(dst_pages)), np.int32))
+        self.dst.cache = self._scatter(self.dst.cache, moved, ids)
+        self.last = (list(src_pages), list(dst_pages))
+

@@ -1,0 +1,41 @@
+"""How many KV pages an instance's pool gets: given (vLLM's num_gpu_blocks_override), a fraction of each
+device's memory beside what is resident (gpu_memory_utilization), or, where the devices report no memory
+limit (XLA:CPU), max_num_seqs x max_model_len tokens."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import numpy as np
+
+from ernie_jax.model.kv_cache import KVCache
+
+
+def pages_in_memory(devices: list, page_bytes: int, utilization: float) -> int | None:
+    """KV pages of page_bytes (per device) that fit in `utilization` of every device's memory beside what is
+    resident already (the weights); None when the platform reports no memory limit (XLA:CPU)."""
+    stats = [d.memory_stats() for d in devices]
+    if any(s is None or "bytes_limit" not in s for s in stats):
+        return None
+    room = min(utilization * s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
+    return max(0, int(room // page_bytes))
+
+
+def size_pool(cfg, *, dtype, page_size: int, mtp: bool, shardings: Callable, devices: list, num_pages: int | None,
+              memory_utilization: float | None, pages_without_memory_limit: int, name: str) -> tuple[int, str]:
+    """(pages of the pool, the null page included; which rule sized it). shardings(cache): the pool's
+    shardings (what one device holds of a page)."""
+    if num_pages is not None:
+        return num_pages, "--num-gpu-blocks-override"
+    n = 64  # pages of a probe pool (a multiple of any data-axis split of the pages)
+    probe = jax.eval_shape(lambda: KVCache.create(cfg, n, page_size, dtype, mtp))
+    page_bytes = sum(np.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
+                     for a, s in zip(jax.tree.leaves(probe), jax.tree.leaves(shardings(probe)))) / n
+    num_pages = pages_in_memory(devices, int(np.ceil(page_bytes)), memory_utilization or 0.9)
+    if num_pages is not None:
+        return num_pages, f"{memory_utilization or 0.9:.2f} of device memory"
+    if memory_utilization is not None:
+        raise ValueError(f"{name}: the {devices[0].platform} devices report no memory limit, so "
+                         "gpu_memory_utilization cannot size the KV pool; give num_gpu_blocks_override")
+    return pages_without_memory_limit, "max_num_seqs x max_model_len (the devices report no memory limit)"

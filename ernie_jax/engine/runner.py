@@ -1,0 +1,226 @@
+"""The model runner of one instance: turns a `StepPlan` into device calls and their outputs into a
+`StepResult`. It decides nothing: which requests run, in which rows, and whether a decode step chains
+onto the one in flight are the plan's (engine/scheduler.py).
+
+`dispatch(plan)` builds the inputs (token ids, positions, block tables, sampling arrays), dispatches the
+prefill program then the decode program without waiting, and returns what `read()` waits for. A decode
+step the plan chains stays in flight: the next plan's decode step takes its sampled tokens (and, with
+speculative decoding, its accepted counts and drafts) as inputs on the device, and it is read with that
+next step, so the host's bookkeeping overlaps the device. `read_in_flight()` reads it at once when the
+scheduler needs its tokens on the host first.
+
+Hand-over (PD): `copy_out` gathers a request's pages and copies them onto the receiving mesh (waiting for
+the copy: the sender's thread waits, nobody else's), `copy_in` scatters them into this pool (dispatched,
+not waited for).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from ernie_jax.engine.page_transfer import PageTransfer
+from ernie_jax.engine.programs import ModelPrograms
+from ernie_jax.engine.sampling_inputs import plain_sampling, sampling_arrays
+from ernie_jax.engine.step import Handoff, RowOutput, StepPlan, StepResult
+
+
+class Dispatched(NamedTuple):
+    """A program step in flight: its sampled tokens (and logprobs) and expert counts are still on the device."""
+    kind: str  # "prefill", "decode" or "verify" (a speculative decode step)
+    reqs: list  # the request of each row that gets a token
+    # prefill/decode: sample()'s (tokens, logprobs, top ids, top logprobs), or None for chunks mid-prompt;
+    # verify: ((tokens [B,k+1], accepted [B]), the host sampler's result or None, which rows speculate)
+    result: Any
+    t0: float  # dispatch time
+    counts: Any  # tokens per expert per MoE layer
+    drafts: Any = None  # speculative decoding: the MTP block's next drafts [B,k]
+    inputs: Any = None  # verify: its (positions [B,k+1], sampling steps [B]) on the device
+
+
+class ModelRunner:
+    def __init__(self, programs: ModelPrograms, *, vocab_size: int, stop_ids):
+        """stop_ids(req): the tokens min_tokens suppresses (the output processor's)."""
+        self.programs, self.k = programs, programs.k
+        self.vocab_size, self.stop_ids = vocab_size, stop_ids
+        self.transfer: PageTransfer | None = None  # to the peer, when this instance hands over
+        self.busy_seconds = {"prefill": 0.0, "decode": 0.0}  # per program: dispatch to result
+        self.steps = {"prefill": 0, "decode": 0}  # steps completed
+        self.expert_tokens = np.zeros(programs.expert_shape, np.int64)
+        self._ahead: Dispatched | None = None  # a chained decode step, read with the next step
+        self.in_step: list = []  # the requests handed to programs or read since the step began (a failure's)
+
+    @property
+    def in_flight(self) -> bool:
+        return self._ahead is not None
+
+    # ---- hand-over ----------------------------------------------------------------------------------------
+    def copy_out(self, src_pages: list[int]) -> tuple:
+        """(the pages' KV landed on the peer's mesh, None: the copy's time is the time this call took)."""
+        return self.transfer.gather(src_pages), None
+
+    def copy_in(self, h: Handoff, pages: list[int], sender: "ModelRunner") -> None:
+        sender.transfer.scatter(h.kv, h.src_pages, pages[:len(h.src_pages)])
+
+    # ---- dispatch -------------------------------------------------------------------------------------------
+    def _inputs(self, reqs, B: int) -> tuple[dict, int]:
+        return sampling_arrays(reqs, B, vocab_size=self.vocab_size, stop_ids=self.stop_ids)
+
+    def _table(self, pages: list[int]) -> np.ndarray:
+        return np.asarray(pages + [0] * (self.programs.max_pages - len(pages)), np.int32)
+
+    def dispatch(self, plan: StepPlan) -> tuple[list[Dispatched], list]:
+        """Dispatch the plan's prefill and decode programs; returns (steps to read, scored chunks)."""
+        pending, scored = [], []
+        if plan.prefill:
+            pending.append(self._dispatch_prefill(plan, scored))
+        ahead, self._ahead = self._ahead, None
+        assert (ahead is not None) == plan.after_in_flight, "a plan must say whether it follows the step in flight"
+        if plan.decode:
+            step = self._dispatch_verify(plan, ahead) if self.k else self._dispatch_decode(plan, ahead)
+            if plan.chain:
+                self._ahead = step  # read by the next step, while the device runs the one after it
+            else:
+                pending.append(step)
+        if ahead is not None:
+            pending.insert(0, ahead)
+        return pending, scored
+
+    def _dispatch_prefill(self, plan: StepPlan, scored: list) -> Dispatched:
+        (B, T), chunks = plan.prefill_shape, plan.prefill
+        self.in_step += [c.req for c in chunks]
+        ids, positions = np.zeros((B, T), np.int32), np.tile(np.arange(T, dtype=np.int32), (B, 1))
+        tables = np.zeros((B, self.programs.max_pages), np.int32)  # padding rows write the null page 0
+        last = np.full(B, -1, np.int32)  # -1: a padding row, no real token
+        for i, c in enumerate(chunks):
+            ids[i, :len(c.tokens)] = c.tokens
+            positions[i] += c.start
+            tables[i] = self._table(c.req.pages)
+            last[i] = len(c.tokens) - 1
+        t0 = time.perf_counter()
+        first = chunks[0]
+        arrays, nlp = self._inputs([c.req for c in chunks], B)
+        drafts = None
+        if first.req.scores_prompt:  # a scored chunk runs alone
+            req, start, n = first.req, first.start, len(first.tokens)
+            targets = req.prompt_ids[start + 1:start + 1 + n]  # the token after each position
+            padded = np.asarray([targets + [0] * (T - len(targets))], np.int32)
+            logits, c, scores = self.programs.run_scored(ids, positions, last, tables, padded)
+            scored.append((req, start, targets, scores))
+            sampled = None
+        elif self.k:  # the MTP block drafts after each chunk; it needs the token after the chunk
+            following = np.full(B, -1, np.int32)  # -1: the chunk ends its prompt (the sampled token follows)
+            for i, ch in enumerate(chunks):
+                if not ch.completes:
+                    following[i] = ch.req.prefill_ids[ch.start + len(ch.tokens)]
+            logits, c, sampled, drafts = self.programs.run("prefill", ids, positions, last, tables, arrays, following)
+        else:
+            logits, c, sampled = self.programs.run("prefill", ids, positions, last, tables, arrays)
+        done = [ch.req if ch.completes else None for ch in chunks]  # rows whose prompt is complete get a token
+        if not any(done):  # chunks mid-prompt: only their expert counts
+            return Dispatched("prefill", [], None, t0, c)
+        result = sampled if sampled is not None and plain_sampling(arrays, nlp) else \
+            self.programs.sample(logits, arrays, nlp)
+        return Dispatched("prefill", done, result, t0, c, drafts if sampled is not None else None)
+
+    def _dispatch_decode(self, plan: StepPlan, ahead: Dispatched | None) -> Dispatched:
+        reqs, B = plan.decode, plan.decode_batch
+        self.in_step += reqs
+        pad = B - len(reqs)
+        lag = 0 if ahead is None else 1  # tokens in flight per request, not yet in output_ids
+        if ahead is None:
+            ids = np.asarray([[r.output_ids[-1]] for r in reqs] + [[0]] * pad, np.int32)
+        else:  # the step in flight's sampled tokens, still on the device
+            ids = ahead.result[0].reshape(B, 1)
+        positions = np.asarray([[r.num_tokens - 1 + lag] for r in reqs] + [[0]] * pad, np.int32)
+        tables = np.stack([self._table(r.pages) for r in reqs] + [self._table([])] * pad)
+        last = np.asarray([0] * len(reqs) + [-1] * pad, np.int32)  # -1: a padding row, no real token
+        arrays, nlp = self._inputs(reqs, B)
+        arrays["steps"][:len(reqs)] += lag
+        t0 = time.perf_counter()
+        logits, c, sampled = self.programs.run("decode", ids, positions, last, tables, arrays)
+        result = sampled if plain_sampling(arrays, nlp) else self.programs.sample(logits, arrays, nlp)
+        return Dispatched("decode", reqs, result, t0, c)
+
+    def _dispatch_verify(self, plan: StepPlan, ahead: Dispatched | None) -> Dispatched:
+        """A speculative decode step: each running request's last token and its k drafts (engine/speculative.py).
+        After a step still in flight (`ahead`, the same batch), its inputs are computed on the device from
+        that step's tokens, accepted counts and drafts (programs.chain_verify)."""
+        reqs, k, B = plan.decode, self.k, plan.decode_batch
+        self.in_step += reqs
+        pad = B - len(reqs)
+        arrays, nlp = self._inputs(reqs, B)
+        if ahead is None:
+            ids = np.zeros((B, k + 1), np.int32)
+            positions = np.zeros((B, k + 1), np.int32)
+            for i, r in enumerate(reqs):
+                ids[i] = [r.output_ids[-1]] + (r.drafts or [0] * k)  # no drafts (a scored prefill): rejected
+                positions[i] = r.num_tokens - 1 + np.arange(k + 1)
+        else:
+            ids, positions, arrays["steps"] = self.programs.chain_verify(ahead)
+        positions, arrays["steps"] = self.programs.put((positions, arrays["steps"]))
+        tables = np.stack([self._table(r.pages) for r in reqs] + [self._table([])] * pad)
+        last = np.asarray([k] * len(reqs) + [-1] * pad, np.int32)  # -1: a padding row, no real token
+        speculating = [r.speculates for r in reqs]
+        max_accept = np.asarray([k if s else 0 for s in speculating] + [0] * pad, np.int32)
+        t0 = time.perf_counter()
+        logits, c, verified, drafts = self.programs.run("decode", ids, positions, last, tables, arrays, max_accept)
+        # rows that take one plain token (not speculating) draw it, with its logprobs, from the host's sampler
+        fallback = None if all(speculating) else self.programs.sample(logits, arrays, nlp)
+        return Dispatched("verify", reqs, (verified, fallback, speculating), t0, c, drafts,
+                          (positions, arrays["steps"]))
+
+    # ---- results --------------------------------------------------------------------------------------------
+    def read_in_flight(self) -> StepResult:
+        """Wait for the chained decode step in flight and return its tokens."""
+        ahead, self._ahead = self._ahead, None
+        result = self.read([ahead] if ahead is not None else [])
+        result.drained = True
+        return result
+
+    def drop_in_flight(self) -> None:
+        self._ahead = None
+
+    def read(self, pending: list[Dispatched], scored: list = ()) -> StepResult:
+        """Wait for dispatched steps and return their tokens, in dispatch order."""
+        out = StepResult([], [(req, start, targets, jax.device_get(scores)) for req, start, targets, scores in scored])
+        self.in_step += [r for r, *_ in scored] + [r for step in pending for r in step.reqs if r is not None]
+        for step in pending:  # every program is in flight before any is read
+            counts = jax.device_get(step.counts)
+            self.expert_tokens += counts
+            out.expert_counts.append(counts)
+            if step.kind == "verify":
+                out.rows += self._read_verified(step)
+                continue
+            if step.result is not None:
+                tokens, lps, top_ids, top_lps = jax.device_get(step.result)
+            self.busy_seconds[step.kind] += time.perf_counter() - step.t0
+            self.steps[step.kind] += 1
+            if step.result is None:  # a prefill chunk mid-prompt
+                continue
+            drafts = None if step.drafts is None else jax.device_get(step.drafts)
+            for i, req in enumerate(step.reqs):
+                if req is not None:  # None: a prefill row mid-prompt
+                    out.rows.append(RowOutput(req, step.kind, [int(tokens[i])], (lps[i], top_ids[i], top_lps[i]),
+                                              None if drafts is None else drafts[i].tolist()))
+        return out
+
+    def _read_verified(self, step: Dispatched) -> list[RowOutput]:
+        """A speculative decode step's tokens: each row's accepted drafts and the token after them (or, for a
+        row not speculating, the host sampler's token with its logprobs), and its next drafts."""
+        (tokens, accepted), fallback, speculating = step.result
+        tokens, accepted, fallback, drafts = jax.device_get((tokens, accepted, fallback, step.drafts))
+        self.busy_seconds["decode"] += time.perf_counter() - step.t0
+        self.steps["decode"] += 1
+        rows = []
+        for i, req in enumerate(step.reqs):
+            if not speculating[i]:
+                tok, lps, top_ids, top_lps = (a[i] for a in fallback)
+                rows.append(RowOutput(req, "decode", [int(tok)], (lps, top_ids, top_lps), drafts[i].tolist()))
+            else:
+                n = int(accepted[i])
+                rows.append(RowOutput(req, "decode", [int(t) for t in tokens[i, :n + 1]], None, drafts[i].tolist(), n))
+        return rows

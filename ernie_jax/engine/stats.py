@@ -1,0 +1,43 @@
+"""`EngineStats`: an immutable snapshot of an engine's state for metrics and health, taken under the engine's
+lock, so a reader on another thread (the server's /metrics) never sees a half-applied step: a request
+counts as running until the engine has recorded its end (counted it, forgotten it)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolStats:
+    usage: float  # fraction of pages held by requests
+    cached_free: float  # fraction of pages free but holding a cached prefix
+    free: int
+    capacity: int
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    num_running: int  # admitted, moving between instances, or ended and not yet recorded
+    num_waiting: int
+    pools: dict[str, PoolStats]  # by instance
+    counters: dict[str, int]  # num_preemptions, prefix_queries, prefix_hits, prefill_tokens (over instances)
+    busy_seconds: dict[str, dict[str, float]]  # instance -> program -> seconds from dispatch to result
+    steps: dict[str, dict[str, int]]  # instance -> program -> steps completed
+    expert_tokens: np.ndarray  # [L_moe, E] tokens routed to each expert, over instances
+
+
+COUNTERS = ("num_preemptions", "prefix_queries", "prefix_hits", "prefill_tokens")
+
+
+def snapshot(engine) -> EngineStats:
+    """The engine's stats now; the caller holds the engine's lock."""
+    insts = engine.instances
+    pools = {i.name: PoolStats(i.pool.usage, i.pool.cached_free / i.pool.capacity, i.pool.free, i.pool.capacity)
+             for i in insts}
+    return EngineStats(len(engine.requests) - len(engine.waiting), len(engine.waiting), pools,
+                       {c: sum(getattr(i.scheduler, c) for i in insts) for c in COUNTERS},
+                       {i.name: dict(i.runner.busy_seconds) for i in insts},
+                       {i.name: dict(i.runner.steps) for i in insts},
+                       sum(i.runner.expert_tokens for i in insts).copy())

@@ -1,0 +1,129 @@
+"""The step functions every instance compiles, as pure functions of (weights, inputs, KV pool): a prefill
+chunk or decode step that also samples (`_step`), its speculative-decoding variants (the MTP block drafting
+after a prefill chunk, and a verify step that scores k drafts and drafts again), and a prefill that scores
+the prompt (prompt logprobs). `step_program` jits one with explicit shardings and the pool donated, so
+the pool is updated in place and never leaves its devices; `lower_step` lowers it from abstract shapes
+(what `python -m ernie_jax.plan` compiles without weights). Each also counts the tokens routed to each
+expert of each MoE layer (load metrics and EPLB).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ernie_jax.model.forward import forward, mtp_draft
+from ernie_jax.sampling import MAX_LOGPROBS, sample, speculative_verify
+
+
+def _step(weights, input_ids, positions, cache, logit_positions, block_tables, sampling, *, cfg, plan, ex,
+          batch_invariant):
+    """-> (logits [B,V] at logit_positions, cache, expert token counts [L_moe,E], sampled).
+
+    sampling: (temperature, top_p, top_k, seeds, steps), each [B]; `sampled` is sampling.sample's result for
+    them without min-p, penalties or logprob alternatives: most batches need nothing more (plain_sampling),
+    and sampling inside the step saves launching a second program per step. Other batches sample the
+    returned logits."""
+    out = forward(weights, cfg, input_ids, positions, cache, logit_positions, plan, block_tables, batch_invariant, ex)
+    counts = _expert_counts(out.expert_ids, logit_positions, input_ids.shape, cfg)
+    return out.logits, out.cache, counts, sample(out.logits, *sampling)
+
+
+
+
+def _spec_prefill_step(weights, input_ids, positions, cache, logit_positions, block_tables, next_tokens, sampling,
+                       *, cfg, plan, ex, batch_invariant, k):
+    """_step that also runs the MTP block over the chunk (writing its KV) and drafts k tokens after each
+    row's last real token. next_tokens [B]: the prompt token after the chunk, or -1 when the chunk ends the
+    prompt (then it is the token sampled here). -> _step's outputs and drafts [B,k]."""
+    out = forward(weights, cfg, input_ids, positions, cache, logit_positions, plan, block_tables, batch_invariant, ex)
+    counts = _expert_counts(out.expert_ids, logit_positions, input_ids.shape, cfg)
+    sampled = sample(out.logits, *sampling)
+    B = input_ids.shape[0]
+    last = jnp.maximum(logit_positions, 0)
+    following = jnp.where(next_tokens >= 0, next_tokens, sampled[0])
+    next_ids = jnp.concatenate([input_ids[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
+    next_ids = next_ids.at[jnp.arange(B), last].set(following)  # x_{t+1} for every position t of the chunk
+    drafts, cache = mtp_draft(weights, cfg, next_ids, out.hidden, positions, out.cache, block_tables, last, k, plan, ex)
+    return out.logits, cache, counts, sampled, drafts
+
+
+@jax.jit
+def _chain_verify(tokens, accepted, drafts, positions, steps):
+    last = jnp.take_along_axis(tokens, accepted[:, None], axis=1)
+    return jnp.concatenate([last, drafts], axis=1), positions + accepted[:, None] + 1, steps + accepted + 1
+
+
+def _verify_step(weights, input_ids, positions, cache, logit_positions, block_tables, max_accept, sampling, *, cfg,
+                 plan, ex, batch_invariant, k):
+    """One speculative decode step: input_ids [B,k+1] = (each row's last token, its k drafts) at positions
+    [B,k+1]. The target scores all k+1 (writing their KV; a rejected draft's slots are rewritten by the next
+    step before any query reads them), sampling.speculative_verify accepts a prefix of the drafts, and the
+    MTP block reads (emitted token, target state) at each position and drafts the next k after the last
+    accepted one. logit_positions [B]: k for real rows, -1 for padding. -> (logits [B,V] after the last
+    token, cache, counts, (tokens [B,k+1], accepted [B]), drafts [B,k])."""
+    out = forward(weights, cfg, input_ids, positions, cache, None, plan, block_tables, batch_invariant, ex)
+    counts = _expert_counts(out.expert_ids, logit_positions, input_ids.shape, cfg)
+    tokens, accepted = speculative_verify(out.logits, input_ids[:, 1:], *sampling, max_accept)
+    drafts, cache = mtp_draft(weights, cfg, tokens, out.hidden, positions, out.cache, block_tables, accepted, k, plan,
+                              ex)
+    return out.logits[:, 0], cache, counts, (tokens, accepted), drafts
+
+
+
+def _score_step(weights, input_ids, positions, cache, logit_positions, block_tables, targets, *, cfg, plan, ex,
+                batch_invariant, num_top):
+    """Prefill that also scores the chunk: the logprob of targets[b,t] (the next prompt token) after each
+    position, with the top `num_top` alternatives -- prompt logprobs, what `echo` + `logprobs` return."""
+    B, T = input_ids.shape
+    out = forward(weights, cfg, input_ids, positions, cache, None, plan, block_tables, batch_invariant, ex)
+    logprobs = jax.nn.log_softmax(out.logits, axis=-1)  # [B,T,V]
+    target_lp = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
+    top_lp, top_ids = lax.top_k(logprobs, num_top)
+    counts = _expert_counts(out.expert_ids, logit_positions, (B, T), cfg)
+    return out.logits[jnp.arange(B), logit_positions], out.cache, counts, (target_lp, top_ids, top_lp)
+
+
+def _expert_counts(expert_ids, logit_positions, shape, cfg) -> jax.Array:
+    """Tokens routed to each expert of each MoE layer, counting only real tokens: a row's tokens up to its
+    logit position (padding rows of a decode batch carry logit position -1)."""
+    B, T = shape
+    valid = (jnp.arange(T)[None, :] <= logit_positions[:, None]).reshape(-1).astype(jnp.int32)
+    if not expert_ids:
+        return jnp.zeros((0, cfg.moe_num_experts), jnp.int32)
+    ids = jnp.concatenate(expert_ids)  # [L_moe, B*T, k]
+    w = jnp.broadcast_to(valid[None, :, None], ids.shape)
+    return jax.vmap(lambda i, v: jnp.bincount(i.reshape(-1), v.reshape(-1), length=cfg.moe_num_experts))(ids, w)
+
+
+
+def step_program(cfg, plan, ex, weight_shardings, cache_shardings, replicated, batch_invariant: bool = False,
+                 kind: str = "step", k: int = 0):
+    """The jitted step with explicit shardings and the cache donated: what every ModelPrograms bucket
+    compiles, and what `python -m ernie_jax.plan` compiles from shapes. kind: "step" (_step), "score"
+    (_score_step), "spec_prefill" / "verify" (speculative decoding with k MTP drafts)."""
+    static = dict(cfg=cfg, plan=plan, ex=ex, batch_invariant=batch_invariant)
+    fn = {"step": functools.partial(_step, **static),
+          "score": functools.partial(_score_step, **static, num_top=MAX_LOGPROBS),
+          "spec_prefill": functools.partial(_spec_prefill_step, **static, k=k),
+          "verify": functools.partial(_verify_step, **static, k=k)}[kind]
+    rep, spec = replicated, kind in ("spec_prefill", "verify")
+    return jax.jit(fn, donate_argnums=(3,),
+                   in_shardings=(weight_shardings, rep, rep, cache_shardings, rep, rep, rep) + ((rep,) if spec else ()),
+                   out_shardings=(rep, cache_shardings, rep, rep) + ((rep,) if spec else ()))
+
+
+def lower_step(jitted, weights, cache, replicated, B: int, T: int, max_pages: int, extra: tuple = (),
+               sampling: bool = False):
+    """Lower a step_program for B rows of T tokens from abstract weights and cache (ShapeDtypeStructs with
+    shardings). extra: shapes of further int32 inputs (the scoring prefill's targets)."""
+    spec = lambda dtype, *shape: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)  # noqa: E731
+    i32 = functools.partial(spec, jnp.int32)
+    args = [i32(*shape) for shape in extra]
+    if sampling:  # SAMPLING_ARGS
+        args.append((spec(jnp.float32, B), spec(jnp.float32, B), i32(B), spec(jnp.uint32, B), i32(B)))
+    return jitted.lower(weights, i32(B, T), i32(B, T), cache, i32(B), i32(B, max_pages), *args)
+
