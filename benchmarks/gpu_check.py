@@ -213,7 +213,7 @@ def end_to_end(preset: str, batches: list[int], new_tokens: int) -> None:
     weights = jax.tree_util.tree_map_with_path(draw, weight_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple) and
                                                all(isinstance(d, int) for d in x))
     model = ErnieForCausalLM(cfg, weights, dtype=jnp.bfloat16)
-    llm = LLM(model, max_num_seqs=max(batches), max_model_len=1024, prefill_chunk=512)
+    llm = LLM(model, max_num_seqs=max(batches), max_model_len=1024, max_num_batched_tokens=512)
     print(f"\n{preset}: random bf16 weights and engine ready in {time.perf_counter() - t0:.0f} s; ops:",
           model.execution.describe())
     active_bytes = 2 * param_counts(cfg)["active"]

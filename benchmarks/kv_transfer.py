@@ -35,7 +35,7 @@ def main() -> None:
 
     llm = LLM(args.model, dtype=args.dtype, mesh=args.mesh, prefill_devices=args.prefill_devices,
               kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.prompt_len + 8, max_num_seqs=4,
-              prefill_chunk=args.prompt_len, pd_policy="static")  # static: every prompt moves
+              max_num_batched_tokens=args.prompt_len, pd_policy="static")  # static: every prompt moves
     vocab = llm.model.config.vocab_size
     prompts = np.random.default_rng(0).integers(3, vocab, (args.num_prompts + 2, args.prompt_len)).tolist()
     sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)

@@ -27,9 +27,9 @@ def main() -> int:
     import numpy as np
 
     from ernie_jax import LLM, SamplingParams
-    base = LLM(args.model, max_num_seqs=args.num_prompts, max_model_len=512, prefill_chunk=2048)
+    base = LLM(args.model, max_num_seqs=args.num_prompts, max_model_len=512, max_num_batched_tokens=2048)
     mesh = LLM(base.model, mesh=1, disaggregate=False, max_num_seqs=args.num_prompts, max_model_len=512,
-               prefill_chunk=2048)
+               max_num_batched_tokens=2048)
     assert mesh.model.plan is None, "a one-device mesh should place the model unsharded"
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, base.model.config.vocab_size, 128).tolist() for _ in range(args.num_prompts)]

@@ -19,8 +19,8 @@ from flax import nnx
 
 from ernie_jax.assets import EMBEDDED_MODEL_DIR, EMBEDDED_MODEL_NAME
 from ernie_jax.config import PRESETS, ErnieConfig
+from ernie_jax.engine.config import EngineConfig
 from ernie_jax.engine.engine import Engine
-from ernie_jax.engine.policy import PDPolicy
 from ernie_jax.engine.request import RequestError
 from ernie_jax.engine.output_processor import check_requests, samples
 from ernie_jax.engine.outputs import CompletionOutput, RequestOutput, completion, request_output
@@ -31,49 +31,41 @@ from ernie_jax.tokenizer import Tokenizer
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "RequestError"]
 
 
-_DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32, "fp32": jnp.float32}
+_DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32, "fp32": jnp.float32}  # config.DTYPES
 _GEN_KEYS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
              "repetition_penalty")
 
 
 class LLM:
     """model: a checkpoint folder, a preset name ("tiny", "ernie-4.5-21b-a3b", ...; random weights) or an
-    ErnieForCausalLM. dtype: "bfloat16" (default) or "float32". quantization / fp8_compute: as in
-    load_pretrained. kv_cache_dtype: "auto" (the model dtype), "bfloat16" or "fp8".
-    mesh: None (one device) or a device count / mesh spec; with `disaggregate` (default) prefill runs on
-    the first `prefill_devices` (default half) and decode on the others, each with its own weight copy.
-    max_num_seqs: the decode batch limit; max_model_len: prompt + output limit (default min(model's, 2048)).
-    prefill_chunk: prompt tokens per prefill step (vLLM's max_num_batched_tokens): a long prompt is prefilled
-    in chunks of up to this many tokens, and short prompts batch together up to it.
-    compilation_cache_dir: JAX's persistent compilation cache (None: off; an already configured one wins).
-    batch_invariant: decode at one batch shape, so a request's tokens never depend on its batch (Engine).
-    background_compile: return when one bucket per program is compiled; the rest compile behind (Engine).
-    pd_policy: disaggregated only: "dynamic" (role switching, engine/policy.py), "static" (fixed roles),
-    or a PDPolicy (its thresholds and TTFT / TPOT targets).
-    kernels: "auto" (the Pallas kernels where the device supports them and they pass their start-up
-    self-check), "pallas" (force them; interpreted off GPUs) or "xla" (none); see ops/execution.py.
-    speculative_config: MTP speculative decoding, vLLM's / FastDeploy's shape: {"method": "mtp" (or
-    "ernie_mtp"), "num_speculative_tokens": k (1-4)}, a dict or its JSON (engine/speculative.py).
-    eplb_config: redundant experts re-placed from measured load, vLLM's keys: {"num_redundant_experts": R,
-    "window_size": W, "step_interval": S, "log_balancedness": bool} (engine/expert_balance.py); needs a mesh
-    that splits the experts.
+    ErnieForCausalLM; default: the trained model shipped in the package.
+
+    settings: the engine's, with vLLM's names (engine/config.py EngineConfig.create), or `config=` an
+    EngineConfig. The common ones: dtype ("bfloat16" or "float32"); quantization / fp8_compute (as in
+    load_pretrained); kv_cache_dtype ("auto", "bfloat16", "fp8"); mesh (None: one device, or a device count
+    / mesh spec) with disaggregate (default: prefill on the first `prefill_devices`, default half, decode on
+    the others, each with its own weight copy) and pd_policy ("dynamic" role switching, "static", or a
+    PDPolicy); max_num_seqs; max_model_len (prompt + output; default min(the model's, 2048));
+    max_num_batched_tokens (prompt tokens per prefill step: a long prompt's chunk, short ones' batch);
+    block_size, num_gpu_blocks_override, gpu_memory_utilization, enable_prefix_caching;
+    compilation_cache_dir (JAX's persistent cache; None: off; one already configured wins);
+    batch_invariant; background_compile; kernels ("auto", "pallas", "xla": ops/execution.py);
+    speculative_config ({"method": "mtp", "num_speculative_tokens": k}, engine/speculative.py);
+    eplb_config ({"num_redundant_experts": R, "window_size": W, "step_interval": S}, needs a mesh that splits
+    the experts; engine/expert_balance.py).
     """
 
-    def __init__(self, model: str | ErnieForCausalLM | None = None, *, dtype: str = "bfloat16", seed: int = 0,
-                 max_model_len: int | None = None, max_num_seqs: int = 8, quantization: str | None = None,
-                 fp8_compute: str = "w8a8", kv_cache_dtype: str = "auto", mesh: int | str | None = None,
-                 prefill_devices: int | None = None, disaggregate: bool = True, sharding: str = "tp_ep",
-                 page_size: int = 16, num_pages: int | None = None, gpu_memory_utilization: float | None = None,
-                 enable_prefix_caching: bool = True, prefill_chunk: int = 512,
-                 compilation_cache_dir: str | None = "~/.cache/ernie_jax/xla", batch_invariant: bool = False,
-                 background_compile: bool = False, kernels: str = "auto", pd_policy: str | PDPolicy = "dynamic",
-                 speculative_config: dict | str | None = None, eplb_config: dict | str | None = None):
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
-        jdtype = _DTYPES[dtype]
-        if compilation_cache_dir and not jax.config.jax_compilation_cache_dir:
+    def __init__(self, model: str | ErnieForCausalLM | None = None, *, config: EngineConfig | None = None,
+                 **settings):
+        if config is None:
+            config = EngineConfig.create(**settings)
+        elif settings:
+            raise ValueError(f"give either config or settings, not both ({sorted(settings)})")
+        load = config.load
+        jdtype = _DTYPES[load.dtype]
+        if load.compilation_cache_dir and not jax.config.jax_compilation_cache_dir:
             # Every bucket is compiled at start-up; a warm restart reads them back from this folder.
-            jax.config.update("jax_compilation_cache_dir", os.path.expanduser(compilation_cache_dir))
+            jax.config.update("jax_compilation_cache_dir", os.path.expanduser(load.compilation_cache_dir))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         self.tokenizer: Tokenizer | None = None
         self.generation_config: dict = {}
@@ -84,7 +76,7 @@ class LLM:
         elif isinstance(model, str) and os.path.isdir(model):
             from ernie_jax.checkpoint import read_pretrained
             # Host memory first: under a mesh each tensor then goes straight onto its shards, per submesh.
-            cfg, weights = read_pretrained(model, jdtype, quantization=quantization, fp8_compute=fp8_compute)
+            cfg, weights = read_pretrained(model, jdtype, quantization=load.quantization, fp8_compute=load.fp8_compute)
             given = None
             self.tokenizer = Tokenizer.from_pretrained(model)
             gen_file = os.path.join(model, "generation_config.json")
@@ -92,51 +84,47 @@ class LLM:
                 with open(gen_file) as f:
                     self.generation_config = json.load(f)
         elif isinstance(model, str) and model.lower() in PRESETS:
-            given = ErnieForCausalLM(ErnieConfig.preset(model), rngs=nnx.Rngs(seed), dtype=jdtype)
+            given = ErnieForCausalLM(ErnieConfig.preset(model), rngs=nnx.Rngs(load.seed), dtype=jdtype)
             cfg, weights = given.config, None
         else:
             raise ValueError(f"model {model!r} is neither a checkpoint folder, {EMBEDDED_MODEL_NAME!r} (the default) "
                              f"nor a preset ({sorted(PRESETS)})")
+        max_model_len = config.scheduler.max_model_len
         if max_model_len is not None and not 1 <= max_model_len <= cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len}: must be from 1 to the model's max_position_embeddings "
                              f"({cfg.max_position_embeddings})")
         self.max_model_len = max_model_len or min(cfg.max_position_embeddings, 2048)
+        self.config = config = config.with_max_model_len(self.max_model_len)
         eos = set(cfg.eos_token_id)
         gen_eos = self.generation_config.get("eos_token_id", [])
         eos.update([gen_eos] if isinstance(gen_eos, int) else gen_eos)
         if self.tokenizer is not None:
             eos.update(self.tokenizer.eos_token_ids)
-        from ernie_jax.engine.expert_balance import EPLBConfig
-        from ernie_jax.engine.speculative import SpeculativeConfig
-        speculative_config = SpeculativeConfig.parse(speculative_config)
-        if speculative_config is not None and speculative_config.model is not None:
+        speculative = config.speculative
+        if speculative is not None and speculative.model is not None:
             own = [os.path.normpath(os.path.join(model, sub)) for sub in ("", "mtp")] if isinstance(model, str) else []
-            if os.path.normpath(speculative_config.model) not in own:
-                raise ValueError(f"speculative_config.model={speculative_config.model!r}: the MTP weights are read "
+            if os.path.normpath(speculative.model) not in own:
+                raise ValueError(f"speculative_config.model={speculative.model!r}: the MTP weights are read "
                                  "from the served checkpoint (its ernie.mtp_block.0.* tensors or its mtp/ folder); "
                                  "give its path, its mtp/ folder, or leave the field out")
-        decode_model, prefill_model, balancer = self._place(cfg, given, weights, jdtype, mesh, prefill_devices,
-                                                            disaggregate, sharding, kernels,
-                                                            EPLBConfig.parse(eplb_config))
+        decode_model, prefill_model, balancer = self._place(cfg, given, weights, jdtype, config.parallel,
+                                                            load.kernels, config.eplb)
         self.model = decode_model  # the decode-side model (on the decode submesh under PD)
-        self.engine = Engine(decode_model, prefill_model=prefill_model, max_num_seqs=max_num_seqs,
-                             max_model_len=self.max_model_len, page_size=page_size, num_pages=num_pages,
-                             gpu_memory_utilization=gpu_memory_utilization,
-                             enable_prefix_caching=enable_prefix_caching,
-                             prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype, eos_token_ids=frozenset(eos),
-                             tokenizer=self.tokenizer, seed=seed, batch_invariant=batch_invariant,
-                             background_compile=background_compile, pd_policy=pd_policy,
-                             speculative_config=speculative_config, expert_balancer=balancer)
+        self.engine = Engine(decode_model, config, prefill_model=prefill_model, tokenizer=self.tokenizer,
+                             eos_token_ids=frozenset(eos), expert_balancer=balancer)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
         return self.engine.eos_token_ids
 
     @staticmethod
-    def _place(cfg, given, weights, dtype, mesh, prefill_devices, disaggregate, sharding, kernels, eplb=None):
+    def _place(cfg, given, weights, dtype, parallel, kernels, eplb=None):
         """(decode model, prefill model or None, ExpertBalancer or None) from a built model (`given`, whose
-        execution config is kept unless `kernels` asks for a choice) or host weights; with `eplb` (an
-        EPLBConfig) the routed experts go into its first placement's slots."""
+        execution config is kept unless `kernels` asks for a choice) or host weights, on the devices
+        `parallel` (a ParallelConfig) names; with `eplb` (an EPLBConfig) the routed experts go into its first
+        placement's slots."""
+        mesh, prefill_devices, disaggregate, sharding = (parallel.mesh, parallel.prefill_devices,
+                                                         parallel.disaggregate, parallel.sharding)
         execution = None
         if given is not None:
             weights, dtype = given.checkpoint_weights(), given.dtype

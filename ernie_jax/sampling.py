@@ -146,6 +146,7 @@ def _row_key(seed, step):
 
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs",))
+@jax.named_scope("sampling")
 def sample(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array, seeds: jax.Array,
            steps: jax.Array, min_p: jax.Array | None = None, penalties: tuple | None = None,
            num_logprobs: int = 0):
@@ -210,6 +211,7 @@ def filtered_logits(logits: jax.Array, temperature: jax.Array, top_p: jax.Array,
     return jnp.where(kept, logits / temperature[:, None], -jnp.inf)
 
 
+@jax.named_scope("speculative_verify")
 def speculative_verify(logits: jax.Array, drafts: jax.Array, temperature: jax.Array, top_p: jax.Array,
                        top_k: jax.Array, seeds: jax.Array, steps: jax.Array, max_accept: jax.Array
                        ) -> tuple[jax.Array, jax.Array]:

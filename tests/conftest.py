@@ -103,7 +103,7 @@ def pytest_collection_modifyitems(config, items):
 # The embedded model's engine shape for every test file that needs one engine of it (chat, kernel fallback,
 # MTP): after the first file compiles its 3 programs (prefill chunks of 16 and 32, decode batch 2), the
 # others load them from the XLA cache.
-EMBEDDED_ENGINE = dict(max_model_len=128, max_num_seqs=2, prefill_chunk=32)
+EMBEDDED_ENGINE = dict(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32)
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 GOLDEN_MODELS = ["shared_untied", "noshared_tied", "interval2_headdim"]

@@ -250,7 +250,7 @@ def test_pd_prefills_a_burst_of_prompts_in_batches():
 def test_64_concurrent_requests_more_than_the_cache_holds():
     model = golden_model()
     # 10 pages of 16 slots: at most 2-3 requests fit at once, the rest wait for pages.
-    busy = LLM(model, max_model_len=64, max_num_seqs=4, num_pages=11)
+    busy = LLM(model, max_model_len=64, max_num_seqs=4, num_gpu_blocks_override=11)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 256, int(n)).tolist() for n in rng.integers(1, 40, 64)]
     params = [SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True) for m in rng.integers(1, 20, 64)]

@@ -96,7 +96,7 @@ def test_greedy_unchanged_across_rebalances_mid_generation(mode):
     report = balancer.report()
     assert len(report["balancedness"]) == 2 and all(0 < b <= 1 for b in report["balancedness"])
     from ernie_jax.serve.metrics import ServerMetrics
-    text = ServerMetrics(llm.engine, "m").render().decode()
+    text = ServerMetrics(llm.engine.stats, "m").render().decode()
     assert 'ernie_jax:eplb_balancedness{layer="1",model_name="m"}' in text
     assert 'ernie_jax:eplb_rebalances_total{model_name="m"}' in text
 
@@ -134,7 +134,7 @@ def test_admin_rebalance_route_needs_the_api_key_and_keeps_outputs():
 
     llm = LLM(_moe_model(), max_model_len=64, max_num_seqs=4, mesh=8, disaggregate=False,
               eplb_config={"num_redundant_experts": 8, "window_size": 50, "step_interval": 0})
-    metrics = ServerMetrics(llm.engine, "m")
+    metrics = ServerMetrics(llm.engine.stats, "m")
     runner = AsyncEngine(llm.engine, on_finish=metrics.on_finish)
     app = create_app(Server(runner, Tokenizer.from_pretrained(EMBEDDED_MODEL_DIR), "m", {}, metrics, api_key="k"))
     auth = {"Authorization": "Bearer k"}

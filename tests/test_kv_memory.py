@@ -20,7 +20,7 @@ MODES = {"single": {}, "pd": dict(mesh=8, prefill_devices=4)}
 def small_pool(mode: str = "single", kv: str = "auto") -> LLM:
     """21 pages of 16 tokens (336 tokens): three requests of ~100 tokens fit at once; max_model_len 512 is
     more than the pool holds, so a request that may reach it is rejected."""
-    return LLM(golden_model(), max_model_len=512, max_num_seqs=8, num_pages=22, prefill_chunk=128,
+    return LLM(golden_model(), max_model_len=512, max_num_seqs=8, num_gpu_blocks_override=22, max_num_batched_tokens=128,
                kv_cache_dtype=kv, **MODES[mode])
 
 
@@ -166,7 +166,7 @@ def test_server_rejects_a_request_longer_than_the_pool_and_reports_the_cache():
     engine = llm.engine
     with pytest.raises(RequestError, match="more than the whole KV pool holds"):
         engine.add_request([5] * 20, SamplingParams(max_tokens=None))  # may grow to max_model_len 512
-    metrics = ServerMetrics(engine, "tiny")
+    metrics = ServerMetrics(engine.stats, "tiny")
     runner = AsyncEngine(engine, on_finish=metrics.on_finish)
     server = Server(runner, Tokenizer.from_pretrained(EMBEDDED_MODEL_DIR), "tiny", {}, metrics)
     app = create_app(server)

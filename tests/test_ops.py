@@ -385,5 +385,5 @@ def test_a_failing_kernel_falls_back_at_start_up(monkeypatch, caplog):
     out = llm.generate(prompt_token_ids=[[1, 300, 42]], sampling_params=SamplingParams(max_tokens=4, temperature=0))
     assert len(out[0].outputs[0].token_ids) == 4
     from ernie_jax.serve.metrics import ServerMetrics
-    text = ServerMetrics(llm.engine, "m").render().decode()
+    text = ServerMetrics(llm.engine.stats, "m").render().decode()
     assert 'ernie_jax:op_implementation_info{' in text and 'broken_kernel: self-check failed' in text

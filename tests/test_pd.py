@@ -115,7 +115,7 @@ def test_abort_mid_hand_over_frees_everything():
 def test_decode_keeps_stepping_while_a_2000_token_prompt_prefills(policy):
     """On their own threads, the decode instance completes many decode steps between the first and the last
     chunk of a 2,000-token prompt (in lockstep it completed at most one per chunk)."""
-    engine = LLM(golden_model(), mesh=8, prefill_devices=4, max_model_len=2112, max_num_seqs=4, prefill_chunk=256,
+    engine = LLM(golden_model(), mesh=8, prefill_devices=4, max_model_len=2112, max_num_seqs=4, max_num_batched_tokens=256,
                  pd_policy=policy).engine
     prefill, decode = engine.instance("prefill"), engine.instance("decode")
     got_tokens, errors = threading.Event(), []

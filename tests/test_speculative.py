@@ -125,7 +125,7 @@ def test_greedy_with_mtp_equals_greedy_without_on_the_trained_model():
     runs = [llm.generate(prompt_token_ids=prompts, sampling_params=sampled) for _ in range(2)]
     assert [o.outputs[0].token_ids for o in runs[0]] == [o.outputs[0].token_ids for o in runs[1]]
     from ernie_jax.serve.metrics import ServerMetrics
-    text = ServerMetrics(llm.engine, "m").render().decode()
+    text = ServerMetrics(llm.engine.stats, "m").render().decode()
     assert 'ernie_jax:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"}' in text
     assert "ernie_jax:spec_decode_num_drafts_total" in text and "ernie_jax:spec_decode_num_draft_tokens_total" in text
     for pool in llm.engine.pools.values():
@@ -158,7 +158,7 @@ def test_preemption_and_prefix_caching_stay_exact_with_mtp():
     qs = ["Tell me about the sea.", "Who is Hamlet?", "你好", "What is love?", "说说曹操。", "Describe the whale."]
     prompts = [base.tokenizer.encode_chat([system, {"role": "user", "content": q}]) for q in qs]
     want = greedy(base, prompts, 60)
-    llm = LLM(EMBEDDED_MODEL_DIR, **{**EMBEDDED, "max_num_seqs": 6}, num_pages=17, speculative_config=spec(2))
+    llm = LLM(EMBEDDED_MODEL_DIR, **{**EMBEDDED, "max_num_seqs": 6}, num_gpu_blocks_override=17, speculative_config=spec(2))
     assert greedy(llm, prompts, 60) == want
     e = llm.engine
     assert e.counter("num_preemptions") > 0 and e.counter("prefix_hits") >= 16 and e.spec_stats.num_accepted_tokens > 0

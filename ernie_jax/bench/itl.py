@@ -21,7 +21,7 @@ def _mode(args, name: str):
 
     kw = dict(disaggregate=False) if name == "colocated" else dict(prefill_devices=args.mesh // 2, pd_policy=name)
     llm = LLM(args.model, mesh=args.mesh, max_model_len=args.prompt_len + 64,
-              max_num_seqs=args.streams + 1, prefill_chunk=args.max_num_batched_tokens, **kw)
+              max_num_seqs=args.streams + 1, max_num_batched_tokens=args.max_num_batched_tokens, **kw)
     engine = llm.engine
     vocab = llm.model.config.vocab_size
     rng = np.random.default_rng(0)

@@ -33,7 +33,7 @@ def prefix(args) -> int:
     from ernie_jax import LLM, SamplingParams
 
     engines = {on: LLM(args.model, dtype=args.dtype, max_model_len=args.prefix_len + args.suffix_len + args.output_len,
-                       max_num_seqs=args.max_num_seqs, prefill_chunk=args.max_num_batched_tokens,
+                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        enable_prefix_caching=on) for on in (True, False)}
     vocab = engines[True].model.config.vocab_size
     rng = np.random.default_rng(0)
@@ -77,7 +77,7 @@ def capacity(args) -> int:
     from ernie_jax.assets import EMBEDDED_MODEL_DIR
 
     llm = LLM(args.model or EMBEDDED_MODEL_DIR, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              num_pages=args.num_pages + 1)
+              num_gpu_blocks_override=args.num_pages + 1)
     engine = llm.engine
     chats = [llm.tokenizer.encode_chat([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], True)
              for i in range(args.num_prompts)]

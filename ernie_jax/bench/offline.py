@@ -63,7 +63,7 @@ def offline(args) -> int:
     llm = LLM(model, dtype=args.dtype, max_model_len=args.input_len + args.output_len,
               max_num_seqs=args.max_num_seqs or args.num_prompts, mesh=args.mesh, prefill_devices=args.prefill_devices,
               disaggregate=not args.no_disaggregate, kv_cache_dtype=args.kv_cache_dtype,
-              prefill_chunk=args.max_num_batched_tokens, speculative_config=args.speculative_config)
+              max_num_batched_tokens=args.max_num_batched_tokens, speculative_config=args.speculative_config)
     startup = time.perf_counter() - t0
     cfg = llm.model.config
     rng = np.random.default_rng(0)

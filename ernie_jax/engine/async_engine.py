@@ -1,4 +1,5 @@
-"""AsyncEngine: the engine's instances stepped by their own threads, with asyncio streams per request.
+"""AsyncEngine: the engine's instances stepped by their own threads, with asyncio streams per request; the
+in-process EngineClient (engine/client.py).
 
 `add_request` validates and queues the request at once (a bad request raises and nothing is queued; it
 never waits for a step) and returns an async iterator of RequestOutput snapshots, one per generated token,
@@ -16,7 +17,9 @@ import itertools
 import logging
 from typing import AsyncIterator, Callable
 
+from ernie_jax.engine.client import ModelInfo, NoExpertBalancer
 from ernie_jax.engine.engine import Engine
+from ernie_jax.engine.stats import EngineStats
 from ernie_jax.engine.request import Request, RequestError
 from ernie_jax.engine.outputs import RequestOutput, completion, request_output
 from ernie_jax.sampling import SamplingParams
@@ -71,6 +74,21 @@ class AsyncEngine:
     @property
     def alive(self) -> bool:
         return self.engine.alive
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.engine.validate(prompt_ids, params)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def info(self) -> ModelInfo:
+        e = self.engine
+        return ModelInfo(e.max_model_len, e.cfg.vocab_size, e.config.summary())
+
+    def rebalance_experts(self) -> dict:
+        if self.engine.balancer is None:
+            raise NoExpertBalancer("this engine has no redundant experts (eplb_config)")
+        return self.engine.rebalance_experts()
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

@@ -17,26 +17,26 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Callable
 
 import numpy as np
 
+from ernie_jax.engine.config import EngineConfig
 from ernie_jax.engine.cpu_rules import min_decode_rows
 from ernie_jax.engine.instance import Instance, StepOutputs
 from ernie_jax.engine.kv_cache_manager import KVCacheManager
 from ernie_jax.engine.output_processor import OutputProcessor
 from ernie_jax.engine.page_transfer import PageTransfer
 from ernie_jax.engine.pages import PagePool
-from ernie_jax.engine.policy import PDPolicy
 from ernie_jax.engine.programs import ModelPrograms
+from ernie_jax.engine.report import CompileReport, compile_report
 from ernie_jax.engine.request import Request, RequestError, RequestMetrics
 from ernie_jax.engine.runner import ModelRunner
 from ernie_jax.engine.scheduler import Scheduler
 from ernie_jax.engine.shapes import step_shapes, table_pages
 from ernie_jax.engine.stats import EngineStats, snapshot
-from ernie_jax.engine.speculative import SpecDecodeStats, SpeculativeConfig
+from ernie_jax.engine.speculative import SpecDecodeStats
 from ernie_jax.model.ernie import ErnieForCausalLM
-from ernie_jax.ops.base import FALLBACKS
 from ernie_jax.sampling import SamplingParams, SamplingParamsError, sampler_seed
 from ernie_jax.tokenizer import IncrementalDetokenizer
 
@@ -45,40 +45,25 @@ __all__ = ["Engine", "Request", "RequestError", "CompileReport"]
 log = logging.getLogger("ernie_jax.engine")
 
 
-class CompileReport(NamedTuple):
-    programs: list[tuple[str, Any, float]]  # (program, bucket, compile seconds)
-    ops: list[dict[str, str]]  # {"op", "implementation", "passed_over", "layout_fallbacks"}
-
-
 class Engine:
-    def __init__(self, model: ErnieForCausalLM, *, prefill_model: ErnieForCausalLM | None = None,
-                 max_num_seqs: int = 8, max_model_len: int = 2048, page_size: int = 16,
-                 num_pages: int | None = None, gpu_memory_utilization: float | None = None,
-                 enable_prefix_caching: bool = True, prefill_chunk: int = 512, kv_cache_dtype: str = "auto",
-                 eos_token_ids: frozenset[int] = frozenset(), tokenizer=None, seed: int = 0,
-                 batch_invariant: bool = False, background_compile: bool = False,
-                 pd_policy: str | PDPolicy = "dynamic", speculative_config=None, expert_balancer=None):
-        """model: the decode-side model (placed on its mesh). prefill_model: the same weights on a disjoint
-        mesh for disaggregated prefill, or None to prefill with `model` (colocated).
-        num_pages: pages per pool (vLLM's num_gpu_blocks_override), else sized from device memory
+    def __init__(self, model: ErnieForCausalLM, config: EngineConfig, *, prefill_model: ErnieForCausalLM | None = None,
+                 tokenizer=None, eos_token_ids: frozenset[int] = frozenset(), expert_balancer=None):
+        """model: the decode-side model (placed on its mesh). config: every setting (engine/config.py; its
+        scheduler.max_model_len resolved). prefill_model: the same weights on a disjoint mesh for
+        disaggregated prefill, or None to prefill with `model` (colocated). expert_balancer: EPLB
+        (engine/expert_balance.py): the models' experts are laid out in its placement, which it re-places
+        from measured load; or None.
+
+        KV pools: config.cache.num_gpu_blocks_override pages each, else sized from device memory
         (gpu_memory_utilization, default 0.9) or, where the devices report no memory limit (CPU),
-        max_num_seqs x max_model_len tokens.
-        batch_invariant: decode every batch at one shape (max_num_seqs rows) and prefill one prompt at a
-        time, so a request's tokens do not depend on what else is running. Matmul kernels pick their
-        reduction order by shape, so with several batch shapes a near-tie in greedy decoding can resolve
-        differently alone and in a batch.
-        background_compile: return once the largest bucket of each program compiled; the others compile
-        in the background (a server is up sooner; small batches run padded until their bucket is ready).
-        pd_policy: disaggregated only: "static" (fixed roles), "dynamic" (role switching) or a PDPolicy.
-        speculative_config: MTP speculative decoding ({"method": "mtp", "num_speculative_tokens": k}, a JSON
-        string or a SpeculativeConfig; engine/speculative.py), or None.
-        expert_balancer: EPLB (engine/expert_balance.py): the models' experts are laid out in its placement,
-        which it re-places from measured load; or None."""
-        if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-        self.policy = pd_policy if isinstance(pd_policy, PDPolicy) else PDPolicy(pd_policy)
-        self.cfg = model.config
-        self.speculative = SpeculativeConfig.parse(speculative_config)
+        max_num_seqs x max_model_len tokens. batch_invariant: decode every batch at one shape and prefill
+        one prompt at a time, so a request's tokens do not depend on what else runs (matmul kernels pick
+        their reduction order by shape: a near-tie in greedy decoding can resolve differently alone and in
+        a batch). background_compile: return once the largest bucket of each program compiled; the others
+        compile behind (small batches run padded until their bucket is ready)."""
+        self.config, self.cfg = config, model.config
+        sched, cache = config.scheduler, config.cache
+        self.policy, self.speculative = config.parallel.pd_policy, config.speculative
         k = self.speculative.num_speculative_tokens if self.speculative else 0
         if k and model.mtp is None:
             raise ValueError(f"speculative_config method {self.speculative.method!r} needs the model's MTP block "
@@ -86,53 +71,20 @@ class Engine:
                              "none")
         self.spec_stats = SpecDecodeStats(k)
         self.balancer = expert_balancer
-        self.max_num_seqs, self.max_model_len, self.page_size = max_num_seqs, max_model_len, page_size
-        self.max_pages = table_pages(max_model_len, page_size)
-        self.prefill_chunk, chunks, prefills, batches = step_shapes(
-            max_num_batched_tokens=prefill_chunk, max_model_len=max_model_len, page_size=page_size,
-            max_num_seqs=max_num_seqs, min_decode_rows=min_decode_rows(model), batch_invariant=batch_invariant)
+        self.max_num_seqs, self.max_model_len, self.page_size = sched.max_num_seqs, sched.max_model_len, cache.block_size
+        self.max_pages = table_pages(self.max_model_len, self.page_size)
         self.tokenizer = tokenizer
-        t0 = time.perf_counter()
-        pool = dict(num_pages=num_pages, page_size=page_size, speculative_tokens=k,
-                    max_pages_per_seq=table_pages(max_model_len, page_size, k),
-                    expert_placement=expert_balancer.placement if expert_balancer else None,
-                    kv_cache_dtype=kv_cache_dtype, batch_invariant=batch_invariant,
-                    memory_utilization=gpu_memory_utilization,
-                    pages_without_memory_limit=max_num_seqs * self.max_pages + 1)
-        # A server compiles the prompt-scoring prefill of each chunk length behind it too, so the first echo
-        # + logprobs request does not compile on an engine thread while streams wait.
-        scoring = tuple(chunks) if background_compile else ()
-        both = prefill_model is None or self.policy.mode == "dynamic"  # which programs each instance compiles
-        self.lock = threading.RLock()  # the waiting queue, the requests, the instances' inboxes
+        self.lock = threading.RLock()  # the waiting queue, the requests, the schedulers' state
         self.waiting: list[Request] = []
-        self.outputs = OutputProcessor(max_model_len=max_model_len, eos_token_ids=eos_token_ids,
+        self.outputs = OutputProcessor(max_model_len=self.max_model_len, eos_token_ids=eos_token_ids,
                                        tokenizer=tokenizer)
-        salt_dtype = None
-        self.instances: list[Instance] = []
-        for name, home, m in ([("colocated", "mixed", model)] if prefill_model is None else
-                              [("prefill", "prefill", prefill_model), ("decode", "decode", model)]):
-            programs = ModelPrograms(m, prefill_buckets=prefills if both or home == "prefill" else [],
-                                     decode_buckets=batches if both or home == "decode" else [], name=name,
-                                     score_buckets=scoring if both or home == "prefill" else (), **pool)
-            # The prefix cache's hash chain starts from what else decides a page's KV besides its tokens.
-            salt_dtype = salt_dtype or programs.cache.k[0].dtype
-            pages = PagePool(programs.num_pages, page_size, enable_caching=enable_prefix_caching,
-                             salt=f"kv {salt_dtype} page {page_size}".encode())
-            scheduler = Scheduler(name, home, KVCacheManager(pages, max_pages=self.max_pages, lookahead=k),
-                                  self.waiting, policy=self.policy, shapes=programs.shapes, outputs=self.outputs,
-                                  max_num_seqs=max_num_seqs, max_num_batched_tokens=self.prefill_chunk,
-                                  spec_stats=self.spec_stats)
-            runner = ModelRunner(programs, vocab_size=self.cfg.vocab_size, stop_ids=self.outputs.stop_ids)
-            self.instances.append(Instance(name, home, scheduler, runner, lock=self.lock, balancer=expert_balancer))
-        if prefill_model is not None:
-            prefill, decode = self.instances
-            prefill.peer, decode.peer = decode, prefill
-            prefill.runner.transfer = PageTransfer(prefill.programs, decode.programs)
+        t0 = time.perf_counter()
+        self.instances = self._build_instances(model, prefill_model, k)
         for inst in self.instances:
             if inst.pool.capacity < self.max_pages:
                 log.warning("the %s pool holds %d tokens, less than max_model_len %d: requests that may grow "
-                            "past it are rejected", inst.name, inst.pool.capacity * page_size, max_model_len)
-        if background_compile:  # one thread, so serving keeps a core
+                            "past it are rejected", inst.name, inst.pool.capacity * self.page_size, self.max_model_len)
+        if sched.background_compile:  # one thread, so serving keeps a core
             threading.Thread(target=lambda: [i.programs.compile_rest(workers=1) for i in self.instances],
                              daemon=True, name="ernie-compile").start()
         else:
@@ -141,7 +93,7 @@ class Engine:
         self.startup_seconds = time.perf_counter() - t0
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        self._rng = np.random.default_rng(seed)
+        self._rng = np.random.default_rng(config.load.seed)
         self.moe_layers = [i for i in range(self.cfg.num_hidden_layers) if self.cfg.is_moe_layer(i)]
         self.role_switches: dict[tuple[str, str, str], int] = {}  # (instance, from, to) -> count
         self.placements: dict[tuple[str, str], int] = {}  # finished requests by (prefilled on, decoded on)
@@ -150,6 +102,44 @@ class Engine:
         self._threads: list[threading.Thread] = []
         self._wake = threading.Condition(self.lock)
         self._stop = False
+
+    def _build_instances(self, model, prefill_model, k: int) -> list[Instance]:
+        """One instance (colocated) or two (PD): programs, pool, scheduler and runner each."""
+        sched, cache = self.config.scheduler, self.config.cache
+        self.prefill_chunk, chunks, prefills, batches = step_shapes(
+            max_num_batched_tokens=sched.max_num_batched_tokens, max_model_len=self.max_model_len,
+            page_size=self.page_size, max_num_seqs=self.max_num_seqs, min_decode_rows=min_decode_rows(model),
+            batch_invariant=sched.batch_invariant)
+        # A server compiles the prompt-scoring prefill of each chunk length behind it too, so the first echo
+        # + logprobs request does not compile on an engine thread while streams wait.
+        scoring = tuple(chunks) if sched.background_compile else ()
+        both = prefill_model is None or self.policy.mode == "dynamic"  # which programs each instance compiles
+        placement = self.balancer.placement if self.balancer else None
+        salt_dtype, instances = None, []
+        for name, home, m in ([("colocated", "mixed", model)] if prefill_model is None else
+                              [("prefill", "prefill", prefill_model), ("decode", "decode", model)]):
+            programs = ModelPrograms(m, name, cache, prefill_buckets=prefills if both or home == "prefill" else [],
+                                     decode_buckets=batches if both or home == "decode" else [],
+                                     score_buckets=scoring if both or home == "prefill" else (),
+                                     max_pages_per_seq=table_pages(self.max_model_len, self.page_size, k),
+                                     speculative_tokens=k, expert_placement=placement,
+                                     batch_invariant=sched.batch_invariant,
+                                     pages_without_memory_limit=self.max_num_seqs * self.max_pages + 1)
+            # The prefix cache's hash chain starts from what else decides a page's KV besides its tokens.
+            salt_dtype = salt_dtype or programs.cache.k[0].dtype
+            pages = PagePool(programs.num_pages, self.page_size, enable_caching=cache.enable_prefix_caching,
+                             salt=f"kv {salt_dtype} page {self.page_size}".encode())
+            scheduler = Scheduler(name, home, KVCacheManager(pages, max_pages=self.max_pages, lookahead=k),
+                                  self.waiting, policy=self.policy, shapes=programs.shapes, outputs=self.outputs,
+                                  max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.prefill_chunk,
+                                  spec_stats=self.spec_stats)
+            runner = ModelRunner(programs, vocab_size=self.cfg.vocab_size, stop_ids=self.outputs.stop_ids)
+            instances.append(Instance(name, home, scheduler, runner, lock=self.lock, balancer=self.balancer))
+        if prefill_model is not None:
+            prefill, decode = instances
+            prefill.peer, decode.peer = decode, prefill
+            prefill.runner.transfer = PageTransfer(prefill.programs, decode.programs)
+        return instances
 
     # ---- state ----------------------------------------------------------------------------------------------
     @property
@@ -200,15 +190,8 @@ class Engine:
         return sum(getattr(i.scheduler, name) for i in self.instances)
 
     @property
-    def compile_report(self) -> "CompileReport":
-        """The compiled programs (name, bucket, seconds) and, per op, the implementation the programs run and
-        why preferred ones were not used (ops/execution.py; layout fallbacks met while tracing included)."""
-        programs = [entry for i in self.instances for entry in i.programs.report]
-        ops = self.instances[0].programs.execution.report()
-        for entry in ops:
-            entry["layout_fallbacks"] = "; ".join(f"{impl} -> xla for {why}" for op, impl, why in FALLBACKS
-                                                  if op == entry["op"])
-        return CompileReport(programs, ops)
+    def compile_report(self) -> CompileReport:
+        return compile_report(self)
 
     # ---- requests -------------------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:

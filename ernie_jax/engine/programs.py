@@ -22,6 +22,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from ernie_jax.engine.compile_pool import compile_all
+from ernie_jax.engine.config import CacheConfig
 from ernie_jax.engine.cpu_rules import cpu_expert_groups, platform
 from ernie_jax.engine.expert_moves import move_experts
 from ernie_jax.engine.pool_sizing import size_pool
@@ -39,16 +40,16 @@ log = logging.getLogger("ernie_jax.engine")
 
 
 class ModelPrograms:
-    def __init__(self, model: ErnieForCausalLM, *, num_pages: int | None, page_size: int, max_pages_per_seq: int,
-                 kv_cache_dtype: str, prefill_buckets: list[tuple[int, int]], decode_buckets: list[int], name: str,
-                 batch_invariant: bool = False, memory_utilization: float | None = None,
-                 pages_without_memory_limit: int = 0, score_buckets: tuple[int, ...] = (),
-                 speculative_tokens: int = 0, expert_placement=None):
+    def __init__(self, model: ErnieForCausalLM, name: str, cache: CacheConfig, *, max_pages_per_seq: int,
+                 prefill_buckets: list[tuple[int, int]], decode_buckets: list[int],
+                 score_buckets: tuple[int, ...] = (), batch_invariant: bool = False, speculative_tokens: int = 0,
+                 expert_placement=None, pages_without_memory_limit: int = 0):
         """prefill_buckets: (B, T) shapes, with (1, T) for every chunk length T; decode_buckets: batch sizes.
-        num_pages: the pool's pages (the null page included), or None to size it from device memory:
-        memory_utilization (default 0.9, vLLM's) of each device's memory minus what is resident, or, where
-        the platform reports no memory limit, pages_without_memory_limit (and memory_utilization must not be
-        given). `pool_sizing` says which rule sized the pool.
+        cache: the pool's pages (num_gpu_blocks_override, the null page included), or None to size it from
+        device memory: gpu_memory_utilization (default 0.9, vLLM's) of each device's memory minus what is
+        resident, or, where the platform reports no memory limit, pages_without_memory_limit (and
+        gpu_memory_utilization must not be given); block_size; kv_cache_dtype. `pool_sizing` says which rule
+        sized the pool.
         score_buckets: chunk lengths whose prompt-scoring prefill compiles with the other buckets (a
         server's, in the background); any other length compiles on first use.
         speculative_tokens: k > 0 for MTP speculative decoding: the pool holds the MTP block's KV too,
@@ -62,6 +63,7 @@ class ModelPrograms:
         if platform(model) == "cpu":
             groups = cpu_expert_groups(self.cfg.moe_num_experts) if self.plan is None else 1
             self.weights = cpu_layout(self.weights, expert_groups=groups)  # why: weights.cpu_layout
+        page_size, num_pages = cache.block_size, cache.num_gpu_blocks_override
         self.page_size, self.max_pages = page_size, max_pages_per_seq
         if self.plan is not None:
             self.devices = list(self.plan.mesh.devices.flat)
@@ -71,12 +73,12 @@ class ModelPrograms:
             self.replicated = SingleDeviceSharding(self.devices[0])
         self.weights["rope_cache"] = jax.device_put(rope_cache(self.cfg, page_size * max_pages_per_seq),
                                                     self.replicated)
-        dtype = pool_dtype(KV_CACHE_DTYPES[kv_cache_dtype] or model.dtype, self.execution.kv_bf16_bits)
+        dtype = pool_dtype(KV_CACHE_DTYPES[cache.kv_cache_dtype] or model.dtype, self.execution.kv_bf16_bits)
         shardings = lambda c: c.shardings(self.plan) if self.plan is not None else \
             jax.tree.map(lambda _: self.replicated, c)  # noqa: E731
         num_pages, self.pool_sizing = size_pool(
             self.cfg, dtype=dtype, page_size=page_size, mtp=self.k > 0, shardings=shardings, devices=self.devices,
-            num_pages=num_pages, memory_utilization=memory_utilization,
+            num_pages=num_pages, memory_utilization=cache.gpu_memory_utilization,
             pages_without_memory_limit=pages_without_memory_limit, name=name)
         self.num_pages = num_pages
         self._new_cache = lambda: KVCache.create(self.cfg, num_pages, page_size, dtype, self.k > 0)

@@ -5,6 +5,7 @@ counts as running until the engine has recorded its end (counted it, forgotten i
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -26,6 +27,13 @@ class EngineStats:
     busy_seconds: dict[str, dict[str, float]]  # instance -> program -> seconds from dispatch to result
     steps: dict[str, dict[str, int]]  # instance -> program -> steps completed
     expert_tokens: np.ndarray  # [L_moe, E] tokens routed to each expert, over instances
+    moe_layers: list[int]  # the model layer of each row of expert_tokens
+    ops: list[dict[str, str]]  # per op: the implementation the programs run, and why others were not
+    role_switches: dict[tuple[str, str, str], int]  # (instance, from, to) -> count (PD)
+    pd_requests: dict[tuple[str, str], int]  # finished requests by (prefilled on, decoded on)
+    kv_transfer: tuple[float, int] | None  # PD: (seconds, bytes) moved prefill -> decode
+    spec_decode: dict[str, Any] | None  # speculative decoding counters (SpecDecodeStats.report)
+    eplb: dict[str, Any] | None  # {"balancedness": per MoE layer, "rebalances": n}
 
 
 COUNTERS = ("num_preemptions", "prefix_queries", "prefix_hits", "prefill_tokens")
@@ -36,8 +44,15 @@ def snapshot(engine) -> EngineStats:
     insts = engine.instances
     pools = {i.name: PoolStats(i.pool.usage, i.pool.cached_free / i.pool.capacity, i.pool.free, i.pool.capacity)
              for i in insts}
+    transfer = insts[0].transfer if len(insts) > 1 else None
+    balancer = engine.balancer
     return EngineStats(len(engine.requests) - len(engine.waiting), len(engine.waiting), pools,
                        {c: sum(getattr(i.scheduler, c) for i in insts) for c in COUNTERS},
                        {i.name: dict(i.runner.busy_seconds) for i in insts},
                        {i.name: dict(i.runner.steps) for i in insts},
-                       sum(i.runner.expert_tokens for i in insts).copy())
+                       sum(i.runner.expert_tokens for i in insts).copy(), list(engine.moe_layers),
+                       engine.compile_report.ops, dict(engine.role_switches), dict(engine.placements),
+                       (transfer.seconds, transfer.bytes) if transfer is not None else None,
+                       engine.spec_stats.report() if engine.speculative else None,
+                       {"balancedness": list(balancer.current_balancedness()), "rebalances": balancer.rebalances}
+                       if balancer is not None else None)

@@ -82,14 +82,17 @@ def attention_block(x, w, cfg: ErnieConfig, positions, seg_cache=None, layer=Non
 def decoder_layer(h, w, kind: str, cfg: ErnieConfig, positions, seg_cache=None, layer=None, block_tables=None,
                   plan=None, batch_invariant: bool = False, rotary=None, ex: ExecutionConfig = REFERENCE):
     """Pre-norm residual block. Returns (h, seg_cache, expert ids or None)."""
-    a, seg_cache = attention_block(rms_norm(h, w["input_norm"], cfg.rms_norm_eps), w, cfg, positions,
-                                   seg_cache, layer, block_tables, plan, rotary, ex)
+    with jax.named_scope("attention"):
+        a, seg_cache = attention_block(rms_norm(h, w["input_norm"], cfg.rms_norm_eps), w, cfg, positions,
+                                       seg_cache, layer, block_tables, plan, rotary, ex)
     h = h + a
     x = rms_norm(h, w["post_norm"], cfg.rms_norm_eps)
     if kind == "dense":
-        y, ids = swiglu(x, w["up_gate"], w["down"], ex, plan), None
+        with jax.named_scope("mlp"):
+            y, ids = swiglu(x, w["up_gate"], w["down"], ex, plan), None
     else:
-        y, ids = moe(x, w, cfg, ex, plan, batch_invariant)
+        with jax.named_scope("moe"):
+            y, ids = moe(x, w, cfg, ex, plan, batch_invariant)
     return _constrain(h + y, plan, HIDDEN), seg_cache, ids
 
 
@@ -162,6 +165,7 @@ def forward(weights: dict[str, Any], cfg: ErnieConfig, input_ids: jax.Array, pos
     return ForwardOutput(logits, hidden, new_cache, tuple(expert_ids))
 
 
+@jax.named_scope("mtp")
 def _mtp_states(weights, cfg: ErnieConfig, next_ids, hidden, positions, seg_cache=None, block_tables=None,
                 plan: ShardingPlan | None = None, ex: ExecutionConfig = REFERENCE):
     """The MTP block up to the shared final norm (spec section 5.1): final_norm(DecoderLayer(proj([norm(e) ;

@@ -120,7 +120,8 @@ def moe(x: jax.Array, w: dict, cfg: ErnieConfig, ex: ExecutionConfig = REFERENCE
     x2 = x.reshape(-1, x.shape[-1])
     shared = shared_experts(x2, w, ex, plan)
     if plan is None:
-        weights, ids = route(x2, w["router"], w["router_bias"], cfg.moe_k, cfg.moe_norm_min)
+        with jax.named_scope("router"):
+            weights, ids = route(x2, w["router"], w["router_bias"], cfg.moe_k, cfg.moe_norm_min)
         slots, num_slots = expert_slots(ids, w, cfg)
         y = routed_experts(x2, weights, slots, w["experts_up_gate"], w["experts_down"], num_slots,
                            batch_invariant=batch_invariant, implementation=ex.routed_experts,

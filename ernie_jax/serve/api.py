@@ -25,7 +25,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from ernie_jax.engine.async_engine import AsyncEngine, EngineError
+from ernie_jax.engine.async_engine import EngineError
+from ernie_jax.engine.client import EngineClient, NoExpertBalancer
 from ernie_jax.engine.request import RequestError
 from ernie_jax.engine.output_processor import check_requests, samples
 from ernie_jax.engine.outputs import RequestOutput
@@ -40,7 +41,7 @@ log = logging.getLogger("ernie_jax.serve")
 @dataclasses.dataclass
 class Server:
     """What the routes need: the engine, tokenizer, names and limits."""
-    engine: AsyncEngine
+    engine: EngineClient
     tokenizer: Tokenizer
     model_name: str
     defaults: dict[str, Any]  # sampling defaults from generation_config.json
@@ -113,20 +114,21 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        cfg = server.engine.engine.cfg
+        info = server.engine.info()
         return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
                                             "owned_by": "ernie_jax", "root": server.model_name,
-                                            "max_model_len": server.engine.engine.max_model_len,
-                                            "vocab_size": cfg.vocab_size}]}
+                                            "max_model_len": info.max_model_len, "vocab_size": info.vocab_size,
+                                            "engine_config": info.config}]}
 
     @app.post("/v1/admin/rebalance_experts")
     async def rebalance_experts() -> dict:
         """EPLB: re-place the redundant experts from the measured load now (behind the API key, like every
         /v1 route); the instances move their experts at their next step boundaries."""
-        engine = server.engine.engine
-        if engine.balancer is None:
-            raise ProtocolError("this server has no redundant experts; start it with --eplb-config", status=400)
-        return await asyncio.to_thread(engine.rebalance_experts)
+        try:
+            return await asyncio.to_thread(server.engine.rebalance_experts)
+        except NoExpertBalancer:
+            raise ProtocolError("this server has no redundant experts; start it with --eplb-config",
+                                status=400) from None
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -200,14 +202,14 @@ def _check_model(server: Server, model: str | None) -> None:
 async def _respond(server: Server, request: Request, body, prompts: list[_Prompt], params: SamplingParams, fmt):
     if params.n > server.max_n:
         raise ProtocolError(f"n={params.n} is more than this server allows ({server.max_n})", param="n")
-    engine = server.engine.engine
     try:
-        check_requests(engine.validate, [p.ids for p in prompts], [params] * len(prompts))
+        check_requests(server.engine.validate, [p.ids for p in prompts], [params] * len(prompts))
     except RequestError as e:
         raise ProtocolError(str(e), param=e.param) from None
     count = len(prompts) * params.n
-    if len(engine.waiting) + count > server.max_queue_len:
-        raise ProtocolError(f"the server is busy ({len(engine.waiting)} requests waiting, limit "
+    waiting = server.engine.stats().num_waiting
+    if waiting + count > server.max_queue_len:
+        raise ProtocolError(f"the server is busy ({waiting} requests waiting, limit "
                             f"{server.max_queue_len}); retry later", status=429)
     request_id = f"{fmt.prefix}-{uuid.uuid4().hex}"
     outputs = _merge(server, _add_requests(server, request_id, prompts, params))

@@ -98,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from ernie_jax.assets import EMBEDDED_MODEL_DIR
     from ernie_jax.engine.async_engine import AsyncEngine
-    from ernie_jax.engine.policy import PDPolicy
+    from ernie_jax.engine.config import EngineConfig
     from ernie_jax.engine.expert_balance import EPLBConfig
+    from ernie_jax.engine.policy import PDPolicy
     from ernie_jax.engine.speculative import SpeculativeConfig
     from ernie_jax.llm import LLM
     from ernie_jax.serve.api import Server, create_app
@@ -125,15 +126,20 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         raise SystemExit(f"--eplb-config: {e}") from None
     try:
-        llm = LLM(model_dir, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
-                  max_num_seqs=args.max_num_seqs, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                  mesh=args.mesh if n_devices > 1 else None, prefill_devices=args.prefill_devices,
-                  disaggregate=args.disaggregate, sharding=args.sharding, page_size=args.block_size,
-                  num_pages=args.num_gpu_blocks_override, gpu_memory_utilization=args.gpu_memory_utilization,
-                  enable_prefix_caching=args.enable_prefix_caching, prefill_chunk=args.max_num_batched_tokens,
-                  compilation_cache_dir=args.compilation_cache_dir or None, batch_invariant=args.batch_invariant,
-                  background_compile=args.background_compile, kernels=args.kernels,
-                  pd_policy=policy, speculative_config=speculative, eplb_config=eplb)
+        config = EngineConfig.create(
+            dtype=args.dtype, seed=args.seed, quantization=args.quantization, kernels=args.kernels,
+            compilation_cache_dir=args.compilation_cache_dir or None, max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            batch_invariant=args.batch_invariant, background_compile=args.background_compile,
+            kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
+            num_gpu_blocks_override=args.num_gpu_blocks_override, gpu_memory_utilization=args.gpu_memory_utilization,
+            enable_prefix_caching=args.enable_prefix_caching, mesh=args.mesh if n_devices > 1 else None,
+            prefill_devices=args.prefill_devices, disaggregate=args.disaggregate, sharding=args.sharding,
+            pd_policy=policy, speculative_config=speculative, eplb_config=eplb)
+    except ValueError as e:  # the message names the setting (a JSON config's field included)
+        raise SystemExit(f"error: {e}") from None
+    try:
+        llm = LLM(model_dir, config=config)
     except ValueError as e:  # a bad checkpoint, config or setting: its message names it
         raise SystemExit(f"error: {e}") from None
     if llm.tokenizer is None:
@@ -141,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     _log_startup(llm, model_dir, args)
 
     engine = llm.engine
-    metrics = ServerMetrics(engine, name)
+    metrics = ServerMetrics(engine.stats, name)
     async_engine = AsyncEngine(engine, on_finish=metrics.on_finish)
     server = Server(async_engine, llm.tokenizer, name, llm.sampling_defaults, metrics,
                     max_queue_len=args.max_queue_len, max_n=args.max_n, api_key=args.api_key,
@@ -169,43 +175,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _log_startup(llm, model_dir: str, args) -> None:
-    cfg, engine = llm.model.config, llm.engine
+    from ernie_jax.engine.report import startup_lines
+    cfg = llm.model.config
     q = "block-FP8" if any(getattr(leaf, "dtype", None) is not None and "float8" in str(leaf.dtype)
                            for leaf in _leaves(llm.model)) else args.dtype
     log.info("loaded %s: %d layers (%d MoE, %d experts top-%d), hidden %d, vocab %d, weights %s, KV cache %s",
              model_dir, cfg.num_hidden_layers, cfg.num_moe_layers, cfg.moe_num_experts, cfg.moe_k, cfg.hidden_size,
              cfg.vocab_size, q, args.kv_cache_dtype)
-    ids = lambda inst: ",".join(str(d.id) for d in inst.programs.devices)  # noqa: E731
-    platform = engine.instances[0].programs.devices[0].platform
-    if engine.disaggregated:
-        log.info("mesh split: prefill on devices [%s], decode on devices [%s] (%s); pd policy %s",
-                 ids(engine.instance("prefill")), ids(engine.instance("decode")), platform, engine.policy.mode)
-    else:
-        log.info("colocated: prefill and decode on devices [%s] (%s)", ids(engine.instances[0]), platform)
-    if engine.balancer is not None:
-        b = engine.balancer
-        log.info("EPLB: %d redundant experts over %d expert-parallel devices (%d slots each); re-placed every %s "
-                 "steps from the last %d", b.config.num_redundant_experts, b.num_devices,
-                 b.placement.slots_per_device, b.config.step_interval or "(never: on request)", b.config.window_size)
-    if engine.speculative:
-        log.info("speculative decoding: %s, %d draft tokens per step from the model's MTP layer",
-                 engine.speculative.method, engine.speculative.num_speculative_tokens)
-    report = engine.compile_report
-    for op in report.ops:
-        log.info("op %s: %s%s%s", op["op"], op["implementation"],
-                 f" (not used: {op['passed_over']})" if op["passed_over"] else "",
-                 f"; layout fallbacks: {op['layout_fallbacks']}" if op["layout_fallbacks"] else "")
-    pending = sum(i.programs.pending for i in engine.instances)
-    log.info("compiled %d programs in %.1f s (%s)%s; max_model_len %d, max_num_seqs %d",
-             len(report.programs), engine.startup_seconds,
-             ", ".join(f"{name} {size}: {sec:.1f}s" for name, size, sec in report.programs),
-             f", {pending} more compiling in the background" if pending else "", engine.max_model_len,
-             engine.max_num_seqs)
-    for inst in engine.instances:
-        pool = inst.pool
-        log.info("KV pool %s: %d pages of %d tokens (%d tokens; sized by %s), prefix caching %s", inst.name,
-                 pool.capacity, pool.page_size, pool.capacity * pool.page_size, inst.programs.pool_sizing,
-                 "on" if pool.enable_caching else "off")
+    for line in startup_lines(llm.engine):
+        log.info("%s", line)
 
 
 def _leaves(model):

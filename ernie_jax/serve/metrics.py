@@ -13,8 +13,10 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
-from ernie_jax.engine.engine import Engine
+from typing import Callable
+
 from ernie_jax.engine.request import Request
+from ernie_jax.engine.stats import EngineStats
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _TPOT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -23,7 +25,8 @@ _OUTCOME = {400: "rejected_invalid", 401: "rejected_unauthorized", 404: "rejecte
 
 
 class ServerMetrics:
-    def __init__(self, engine: Engine, model_name: str):
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str):
+        """stats: the engine client's stats(), read at each scrape."""
         self.registry = r = CollectorRegistry()
         labels = {"model_name": model_name}
         self.requests = Counter("ernie_jax:requests", "Requests by outcome: the finish reason (stop, length, "
@@ -40,7 +43,7 @@ class ServerMetrics:
         self.generation_tokens = Counter("ernie_jax:generation_tokens", "Generated tokens of finished requests",
                                          ["model_name"], registry=r).labels(**labels)
         self.model_name = model_name
-        r.register(_EngineCollector(engine, model_name))
+        r.register(_EngineCollector(stats, model_name))
 
     def on_finish(self, req: Request) -> None:
         m = req.metrics
@@ -64,12 +67,11 @@ class ServerMetrics:
 
 
 class _EngineCollector:
-    def __init__(self, engine: Engine, model_name: str):
-        self.engine, self.model_name = engine, model_name
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str):
+        self.stats, self.model_name = stats, model_name
 
     def collect(self):
-        e, name = self.engine, self.model_name
-        stats = e.stats()
+        stats, name = self.stats(), self.model_name
         g = GaugeMetricFamily("ernie_jax:num_requests_running", "Requests in prefill or decode (or moving between "
                               "the PD instances)", labels=["model_name"])
         g.add_metric([name], stats.num_running)
@@ -100,14 +102,13 @@ class _EngineCollector:
             yield c
         info = InfoMetricFamily("ernie_jax:op_implementation", "The implementation each op runs, and why preferred "
                                 "ones were not used", labels=["model_name", "op"])
-        for op in e.compile_report.ops:
+        for op in stats.ops:
             info.add_metric([name, op["op"]], {k: v for k, v in op.items() if k != "op"})
         yield info
         c = CounterMetricFamily("ernie_jax:moe_expert_tokens", "Tokens routed to each expert of each MoE layer",
                                 labels=["model_name", "layer", "expert"])
-        counts = stats.expert_tokens
-        for row, layer in enumerate(e.moe_layers):
-            for expert, n in enumerate(counts[row]):
+        for row, layer in enumerate(stats.moe_layers):
+            for expert, n in enumerate(stats.expert_tokens[row]):
                 c.add_metric([name, str(layer), str(expert)], float(n))
         yield c
         c = CounterMetricFamily("ernie_jax:submesh_busy_seconds", "Seconds from dispatch to result of each "
@@ -122,49 +123,49 @@ class _EngineCollector:
             for program, n in programs.items():
                 c.add_metric([name, inst, program], float(n))
         yield c
-        if e.balancer is not None:  # EPLB
+        if stats.eplb is not None:
             g = GaugeMetricFamily("ernie_jax:eplb_balancedness", "Per MoE layer: mean over max tokens per expert-"
                                   "parallel device of the load window, under the expert placement in force",
                                   labels=["model_name", "layer"])
-            for layer, b in zip(e.moe_layers, e.balancer.current_balancedness()):
+            for layer, b in zip(stats.moe_layers, stats.eplb["balancedness"]):
                 g.add_metric([name, str(layer)], float(b))
             yield g
             c = CounterMetricFamily("ernie_jax:eplb_rebalances", "Expert re-placements applied",
                                     labels=["model_name"])
-            c.add_metric([name], float(e.balancer.rebalances))
+            c.add_metric([name], float(stats.eplb["rebalances"]))
             yield c
-        if e.speculative:  # vLLM's spec-decode counters
-            stats = e.spec_stats
+        if stats.spec_decode is not None:  # vLLM's spec-decode counters
+            spec = stats.spec_decode
             for metric, value, doc in (
-                    ("num_drafts", stats.num_drafts, "Draft proposals verified (one per request per decode step)"),
-                    ("num_draft_tokens", stats.num_draft_tokens, "Draft tokens verified"),
-                    ("num_accepted_tokens", stats.num_accepted_tokens, "Draft tokens accepted")):
+                    ("num_drafts", spec["num_drafts"], "Draft proposals verified (one per request per decode step)"),
+                    ("num_draft_tokens", spec["num_draft_tokens"], "Draft tokens verified"),
+                    ("num_accepted_tokens", spec["num_accepted_tokens"], "Draft tokens accepted")):
                 c = CounterMetricFamily(f"ernie_jax:spec_decode_{metric}", doc, labels=["model_name"])
                 c.add_metric([name], float(value))
                 yield c
             c = CounterMetricFamily("ernie_jax:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at "
                                     "each draft position", labels=["model_name", "position"])
-            for position, n in enumerate(stats.accepted_per_pos):
+            for position, n in enumerate(spec["accepted_per_position"]):
                 c.add_metric([name, str(position)], float(n))
             yield c
-        if e.disaggregated:
-            transfer = e.instance("prefill").transfer
+        if stats.kv_transfer is not None:
+            seconds, moved = stats.kv_transfer
             c = CounterMetricFamily("ernie_jax:kv_transfer_seconds", "Time moving KV pages prefill -> decode",
                                     labels=["model_name"])
-            c.add_metric([name], transfer.seconds)
+            c.add_metric([name], seconds)
             yield c
             c = CounterMetricFamily("ernie_jax:kv_transfer_bytes", "KV bytes moved prefill -> decode",
                                     labels=["model_name"])
-            c.add_metric([name], float(transfer.bytes))
+            c.add_metric([name], float(moved))
             yield c
             c = CounterMetricFamily("ernie_jax:pd_role_switches", "Times an instance started (to) or stopped "
                                     "(back to its home role) doing the other role's work",
                                     labels=["model_name", "submesh", "from", "to"])
-            for (inst, src, dst), n in sorted(e.role_switches.items()):
+            for (inst, src, dst), n in sorted(stats.role_switches.items()):
                 c.add_metric([name, inst, src, dst], float(n))
             yield c
             c = CounterMetricFamily("ernie_jax:pd_requests", "Finished requests by the instance that prefilled "
                                     "them and the one that decoded them", labels=["model_name", "prefill", "decode"])
-            for (p, d), n in sorted(e.placements.items()):
+            for (p, d), n in sorted(stats.pd_requests.items()):
                 c.add_metric([name, p, d], float(n))
             yield c

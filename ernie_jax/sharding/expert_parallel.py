@@ -66,7 +66,8 @@ def moe_ep(x: jax.Array, w: dict, cfg: ErnieConfig, plan: ShardingPlan, ex: Exec
             x = lax.all_gather(x, gather, axis=0, tiled=True)
         b, t, h = x.shape
         x2 = x.reshape(b * t, h)
-        weights, ids = route(x2, router, bias, cfg.moe_k, cfg.moe_norm_min)
+        with jax.named_scope("router"):
+            weights, ids = route(x2, router, bias, cfg.moe_k, cfg.moe_norm_min)
         slots = to_slots(ids, *slot_map) if redundant else ids
         if a2a:
             y = _all_to_all_experts(x2, weights, slots, up_gate, down, expert_axes, n, ex)

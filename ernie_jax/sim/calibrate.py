@@ -71,7 +71,7 @@ def calibrate(args) -> int:
     for mode in ("colocated", "dynamic"):
         kw = dict(disaggregate=False) if mode == "colocated" else dict(prefill_devices=args.mesh // 2, pd_policy=mode)
         llm = LLM(args.model, mesh=args.mesh, max_model_len=args.max_model_len,
-                  max_num_seqs=args.max_num_seqs, prefill_chunk=args.max_num_batched_tokens, **kw)
+                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, **kw)
         engine = llm.engine
         devices = args.mesh if mode == "colocated" else args.mesh // 2
         replay(engine, trace(1))

@@ -140,7 +140,7 @@ def check(path: str) -> None:
     from ernie_jax.sampling import SamplingParams
 
     max_len = min(512, ErnieConfig.from_pretrained(path).max_position_embeddings)
-    llm = LLM(path, max_model_len=max_len, max_num_seqs=2, prefill_chunk=64, compilation_cache_dir=None)
+    llm = LLM(path, max_model_len=max_len, max_num_seqs=2, max_num_batched_tokens=64, compilation_cache_dir=None)
     for label, sp in (("greedy", SamplingParams(temperature=0, max_tokens=48)),
                       ("sampled (T=0.8, top_p=0.8, seed 0)", SamplingParams(temperature=0.8, top_p=0.8, seed=0,
                                                                            max_tokens=48))):
