@@ -60,7 +60,7 @@ def _fitted(tmp_path):
             records.append(StepRecord(0.0, seconds + 1e-3, tokens, (B, T), context, rows, batch, dctx, 1e-3))
         steps[devices] = [records]
     cost = FittedCost.fit(steps, transfer_seconds=0.5, transfer_tokens=10_000, num_pages={4: 300, 8: 600},
-                          settings=dict(max_num_seqs=8, prefill_chunk=128, page_size=16, max_model_len=512,
+                          settings=dict(max_num_seqs=8, max_num_batched_tokens=128, block_size=16, max_model_len=512,
                                         min_decode_rows=1, scale=0.25), name="synthetic", ttft_slo=1.0, tpot_slo=0.1)
     path = str(tmp_path / "cost.json")
     cost.save(path)
@@ -105,7 +105,7 @@ def test_fit_recovers_how_much_slower_steps_run_beside_the_other_instance():
                       zip(np.concatenate([[0], np.cumsum(sec)[:-1]]), sec, sh)] for sec, sh in zip(seconds, shapes)]
         seconds = [b * (1 + _overlaps(timelines[k], timelines[1 - k]) @ slow) for k, b in enumerate(base)]
     cost = FittedCost.fit({4: timelines}, transfer_seconds=0.0, transfer_tokens=0, num_pages={4: 100},
-                          settings={"page_size": 16}, name="pair", ttft_slo=1.0, tpot_slo=0.1)
+                          settings={"block_size": 16}, name="pair", ttft_slo=1.0, tpot_slo=0.1)
     assert cost.contention["prefill"] == pytest.approx(0.8, abs=0.1)
     assert cost.contention["decode"] == pytest.approx(0.3, abs=0.1)
     assert cost.step(0, (0, 0), 0, 4, 4, 100, 4) == pytest.approx(0.028, rel=0.1)

@@ -106,7 +106,7 @@ class Engine:
     def _build_instances(self, model, prefill_model, k: int) -> list[Instance]:
         """One instance (colocated) or two (PD): programs, pool, scheduler and runner each."""
         sched, cache = self.config.scheduler, self.config.cache
-        self.prefill_chunk, chunks, prefills, batches = step_shapes(
+        self.max_num_batched_tokens, chunks, prefills, batches = step_shapes(
             max_num_batched_tokens=sched.max_num_batched_tokens, max_model_len=self.max_model_len,
             page_size=self.page_size, max_num_seqs=self.max_num_seqs, min_decode_rows=min_decode_rows(model),
             batch_invariant=sched.batch_invariant)
@@ -131,7 +131,7 @@ class Engine:
                              salt=f"kv {salt_dtype} page {self.page_size}".encode())
             scheduler = Scheduler(name, home, KVCacheManager(pages, max_pages=self.max_pages, lookahead=k),
                                   self.waiting, policy=self.policy, shapes=programs.shapes, outputs=self.outputs,
-                                  max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.prefill_chunk,
+                                  max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                   spec_stats=self.spec_stats)
             runner = ModelRunner(programs, vocab_size=self.cfg.vocab_size, stop_ids=self.outputs.stop_ids)
             instances.append(Instance(name, home, scheduler, runner, lock=self.lock, balancer=self.balancer))

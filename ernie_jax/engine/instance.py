@@ -51,6 +51,15 @@ class Instance:
         return self.runner.programs
 
     @property
+    def policy(self):
+        """The PD policy its scheduler asks (engine/policy.py)."""
+        return self.scheduler.policy
+
+    @policy.setter
+    def policy(self, policy) -> None:
+        self.scheduler.policy = policy
+
+    @property
     def transfer(self):
         """The page transfer to the peer (PD, the sending side), or None."""
         return self.runner.transfer

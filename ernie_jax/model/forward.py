@@ -1,9 +1,8 @@
 """The ERNIE-4.5 forward pass as pure functions over the weights pytree (see weights.py).
 
-`forward` runs embedding -> decoder segments -> final norm -> LM head. Each segment (a run of dense or of
-MoE layers) is one `lax.scan` over its stacked weights, so compile time does not grow with depth; the
-engine unrolls the layers on CPU instead (weights.cpu_layout says why).
-`mtp_forward` runs the multi-token-prediction block (spec section 5.1).
+`forward` runs embedding -> decoder segments -> final norm -> LM head; each segment (a run of dense or of
+MoE layers) goes through ops/layer_loop.run_layers, whatever the layout of its weights.
+`mtp_forward` runs the multi-token-prediction block (docs/model.md §5).
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from ernie_jax.config import ErnieConfig
 from ernie_jax.model import kv_cache as kvc
 from ernie_jax.model.layers import attention, linear, moe, paged_attention, rms_norm, rope, rope_table, swiglu
 from ernie_jax.ops.execution import REFERENCE, ExecutionConfig
+from ernie_jax.ops.layer_loop import run_layers
 from ernie_jax.sharding.fused import fused_groups, fused_parts, split_fused
 from ernie_jax.sharding.rules import HIDDEN, KV_HEADS, Q_HEADS, ShardingPlan
 
@@ -96,10 +96,13 @@ def decoder_layer(h, w, kind: str, cfg: ErnieConfig, positions, seg_cache=None, 
     return _constrain(h + y, plan, HIDDEN), seg_cache, ids
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "cfg", "plan", "batch_invariant", "ex"))
-def _layer_call(h, w, seg_cache, layer, positions, rotary, block_tables, *, kind, cfg, plan, batch_invariant, ex):
-    return decoder_layer(h, w, kind, cfg, positions, seg_cache, layer, block_tables, plan, batch_invariant, rotary,
-                         ex)
+def _segment_layer(carry, w, layer, positions, rotary, block_tables, *, kind, cfg, plan, batch_invariant, ex):
+    """decoder_layer as ops/layer_loop.run_layers steps it: ((h, segment cache), w, layer index) ->
+    ((h, segment cache), expert ids or None)."""
+    h, seg_cache = carry
+    h, seg_cache, ids = decoder_layer(h, w, kind, cfg, positions, seg_cache, layer, block_tables, plan,
+                                      batch_invariant, rotary, ex)
+    return (h, seg_cache), ids
 
 
 def lm_head(weights, h: jax.Array) -> jax.Array:
@@ -132,27 +135,10 @@ def forward(weights: dict[str, Any], cfg: ErnieConfig, input_ids: jax.Array, pos
     new_segments, expert_ids = [], []
     for s, seg in enumerate(cfg.layer_segments()):
         seg_cache = None if cache is None else cache.segment(s)
-        layer_fn = functools.partial(decoder_layer, kind=seg.kind, cfg=cfg, positions=positions,
-                                     block_tables=block_tables, plan=plan, batch_invariant=batch_invariant,
-                                     rotary=rotary, ex=ex)
-        seg_w = weights["segments"][s]
-        if isinstance(seg_w, list):
-            ids = []
-            for layer, w in enumerate(seg_w):
-                # A nested jit with the layer index as data: every layer of the segment has the same
-                # signature, so the layer is traced once (as under scan) and XLA inlines each call.
-                h, seg_cache, layer_ids = _layer_call(h, w, seg_cache, jnp.int32(layer), positions, rotary,
-                                                      block_tables, kind=seg.kind, cfg=cfg, plan=plan,
-                                                      batch_invariant=batch_invariant, ex=ex)
-                ids.append(layer_ids)
-            ids = None if seg.kind == "dense" else jnp.stack(ids)
-        else:
-            def body(carry, xs):
-                (h, seg_cache), (w, layer) = carry, xs
-                h, seg_cache, layer_ids = layer_fn(h, w, seg_cache=seg_cache, layer=layer)
-                return (h, seg_cache), layer_ids
-
-            (h, seg_cache), ids = lax.scan(body, (h, seg_cache), (seg_w, jnp.arange(seg.count)))
+        layer = functools.partial(_segment_layer, kind=seg.kind, cfg=cfg, plan=plan, batch_invariant=batch_invariant,
+                                  ex=ex)
+        (h, seg_cache), ids = run_layers(layer, (h, seg_cache), weights["segments"][s], seg.count, positions, rotary,
+                                         block_tables)
         new_segments.append(seg_cache)
         if ids is not None:
             expert_ids.append(ids)

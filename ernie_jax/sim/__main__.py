@@ -40,17 +40,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cost = H200Cost() if args.cost == "h200" else FittedCost.load(args.cost)
     settings = dict(cost.settings)  # SimConfig fields, and the trace scale
-    for flag, key in (("max_num_seqs", "max_num_seqs"), ("max_num_batched_tokens", "prefill_chunk"),
-                      ("max_model_len", "max_model_len"), ("scale", "scale")):
-        if getattr(args, flag) is not None:
-            settings[key] = getattr(args, flag)
+    for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "scale"):
+        if getattr(args, key) is not None:
+            settings[key] = getattr(args, key)
     scale, max_model_len = settings.pop("scale"), settings["max_model_len"]
     ttft, tpot = args.ttft_slo or cost.ttft_slo, args.tpot_slo or cost.tpot_slo
     traces = TRACES if args.trace == "all" else (args.trace,)
     n_prefill = args.prefill_devices or args.devices // 2
     print(f"cost model: {cost.name}; SLO TTFT <= {ttft:g} s, TPOT <= {tpot * 1e3:g} ms; {args.num_requests} requests "
           f"per trace (lengths x {scale:g}); {args.devices} devices (PD {n_prefill}:{args.devices - n_prefill}); "
-          f"max_num_seqs {settings['max_num_seqs']}, max_num_batched_tokens {settings['prefill_chunk']}, "
+          f"max_num_seqs {settings['max_num_seqs']}, max_num_batched_tokens {settings['max_num_batched_tokens']}, "
           f"max_model_len {max_model_len}")
     print("| trace | rate | mode | goodput req/s | SLO met | TTFT p50 / p99 s | TPOT p50 / p99 ms | utilisation | "
           "role switches |")
@@ -71,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"| {util} | {switches} |")
             if args.splits:
                 best = max(((k, simulate(trace, cost, SimConfig("static", args.devices, k, **settings)))
-                            for k in _splits(cost, args.devices, settings["page_size"])),
+                            for k in _splits(cost, args.devices, settings["block_size"])),
                            key=lambda kr: kr[1].goodput(ttft, tpot, span))
                 print(f"| {name} | {rate:g} | best static split {best[0]}:{args.devices - best[0]} | "
                       f"{best[1].goodput(ttft, tpot, span):.2f} | {best[1].attained(ttft, tpot):.0%} | | | | |")

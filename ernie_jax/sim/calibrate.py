@@ -80,8 +80,8 @@ def calibrate(args) -> int:
         if engine.disaggregated:  # every hand-over so far: seconds, KV tokens
             moved = engine.instance("prefill").transfer
             transfer = (moved.seconds, moved.pages * engine.page_size)
-        settings = dict(max_num_seqs=engine.max_num_seqs, prefill_chunk=engine.prefill_chunk,
-                        page_size=engine.page_size, max_model_len=engine.max_model_len,
+        settings = dict(max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=engine.max_num_batched_tokens,
+                        block_size=engine.page_size, max_model_len=engine.max_model_len,
                         enable_prefix_caching=engine.instances[0].pool.enable_caching,
                         min_decode_rows=min_decode_rows(llm.model))
         cost = FittedCost.fit(timelines, transfer_seconds=transfer[0], transfer_tokens=transfer[1], num_pages=num_pages,

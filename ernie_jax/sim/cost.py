@@ -70,7 +70,7 @@ class H200Cost:
     flops_per_token: float = 2 * 47.05e9
     # The deployment it describes by default: SimConfig fields and the trace length scale.
     settings: dict = dataclasses.field(default_factory=lambda: dict(
-        max_num_seqs=128, prefill_chunk=2048, page_size=64, max_model_len=16384, min_decode_rows=1, scale=1.0))
+        max_num_seqs=128, max_num_batched_tokens=2048, block_size=64, max_model_len=16384, min_decode_rows=1, scale=1.0))
     # Submeshes share no devices; the host threads' share of a step is inside step_overhead.
     contention: dict = dataclasses.field(default_factory=lambda: {"prefill": 0.0, "decode": 0.0})
 
@@ -173,7 +173,7 @@ class FittedCost:
     contention: dict[str, float]  # see CostModel.contention
     transfer_per_token: float  # seconds per KV token handed over
     num_pages: dict[int, int]  # instance devices -> KV pages of its pool
-    settings: dict  # the engine's: SimConfig fields (max_num_seqs, prefill_chunk, page_size, ...), trace scale
+    settings: dict  # the engine's: SimConfig fields (max_num_seqs, max_num_batched_tokens, block_size, ...), trace scale
 
     @classmethod
     def fit(cls, timelines: dict[int, Sequence[Sequence]], *, transfer_seconds: float, transfer_tokens: int,
@@ -215,9 +215,9 @@ class FittedCost:
 
     def pages(self, devices: int, page_size: int) -> int:
         self._coef(devices)
-        if page_size != self.settings["page_size"]:
+        if page_size != self.settings["block_size"]:
             raise ValueError(f"the cost model {self.name!r} was measured with page size "
-                             f"{self.settings['page_size']}, not {page_size}")
+                             f"{self.settings['block_size']}, not {page_size}")
         return self.num_pages[devices]
 
     def describe(self) -> str:

@@ -42,8 +42,8 @@ class SimConfig:
     devices: int
     prefill_devices: int = 0  # PD only
     max_num_seqs: int = 64
-    prefill_chunk: int = 2048
-    page_size: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 64
     max_model_len: int = 16384
     enable_prefix_caching: bool = True
     min_decode_rows: int = 1  # engine.cpu_rules.min_decode_rows of the model
@@ -81,16 +81,16 @@ class SimRunner:
 def _instance(name: str, home: str, devices: int, cfg: SimConfig, cost: CostModel, policy: PDPolicy,
               waiting: list[Request], outputs: OutputProcessor, clock) -> Instance:
     """An engine instance over a simulated runner, sized and shaped as Engine sizes and shapes a real one."""
-    budget, _, prefills, decodes = step_shapes(max_num_batched_tokens=cfg.prefill_chunk,
-                                               max_model_len=cfg.max_model_len, page_size=cfg.page_size,
+    budget, _, prefills, decodes = step_shapes(max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                               max_model_len=cfg.max_model_len, page_size=cfg.block_size,
                                                max_num_seqs=cfg.max_num_seqs, min_decode_rows=cfg.min_decode_rows)
-    pool = PagePool(cost.pages(devices, cfg.page_size), cfg.page_size, enable_caching=cfg.enable_prefix_caching,
+    pool = PagePool(cost.pages(devices, cfg.block_size), cfg.block_size, enable_caching=cfg.enable_prefix_caching,
                     salt=b"sim")
-    kv = KVCacheManager(pool, max_pages=table_pages(cfg.max_model_len, cfg.page_size))
+    kv = KVCacheManager(pool, max_pages=table_pages(cfg.max_model_len, cfg.block_size))
     scheduler = Scheduler(name, home, kv, waiting, policy=policy, shapes=ShapeTable(prefills, decodes),
                           outputs=outputs, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=budget,
                           overlap=False)
-    return Instance(name, home, scheduler, SimRunner(devices, cost, cfg.page_size), lock=threading.RLock(),
+    return Instance(name, home, scheduler, SimRunner(devices, cost, cfg.block_size), lock=threading.RLock(),
                     clock=clock)
 
 
