@@ -206,13 +206,13 @@ class ModelPrograms:
                                                             logit_positions, block_tables, targets)
         return logits, counts, scores
 
-    def chain_verify(self, step):
-        """The inputs of the verify step after `step` (a Dispatched verify step of the same batch, not read):
-        (ids [B,k+1]: each row's token at its accepted index, then its new drafts; positions and sampling
-        steps moved past the tokens it emitted), all computed on the device."""
-        (tokens, accepted), _, _ = step.result
-        positions, steps = step.inputs
-        return _chain_verify(tokens, accepted, step.drafts, positions, steps)
+    @staticmethod
+    def chain_verify(tokens, accepted, drafts, positions, steps):
+        """The inputs of the verify step after a verify step of the same batch that is not read yet (its
+        tokens [B,k+1], accepted counts, drafts, positions and sampling steps, on the device): ids [B,k+1]
+        (each row's token at its accepted index, then its new drafts), and positions and sampling steps moved
+        past the tokens it emitted, all computed on the device."""
+        return _chain_verify(tokens, accepted, drafts, positions, steps)
 
     def sample(self, logits, arrays: dict[str, Any], num_logprobs: int):
         args = self.put(arrays)  # None entries stay None

@@ -31,13 +31,14 @@ from ernie_jax.engine.step import Handoff, RowOutput, StepPlan, StepResult
 class Dispatched(NamedTuple):
     """A program step in flight: its sampled tokens (and logprobs) and expert counts are still on the device."""
     kind: str  # "prefill", "decode" or "verify" (a speculative decode step)
-    reqs: list  # the request of each row that gets a token
-    # prefill/decode: sample()'s (tokens, logprobs, top ids, top logprobs), or None for chunks mid-prompt;
-    # verify: ((tokens [B,k+1], accepted [B]), the host sampler's result or None, which rows speculate)
-    result: Any
+    reqs: list  # the request of each row that gets a token (None: a prefill row mid-prompt)
     t0: float  # dispatch time
     counts: Any  # tokens per expert per MoE layer
+    sampled: Any = None  # prefill/decode: sample()'s (tokens, logprobs, top ids, top logprobs); None: chunks mid-prompt
     drafts: Any = None  # speculative decoding: the MTP block's next drafts [B,k]
+    verified: Any = None  # verify: (tokens [B,k+1], accepted [B])
+    fallback: Any = None  # verify: the host sampler's result for the rows not speculating (None: all speculate)
+    speculating: list[bool] | None = None  # verify: which rows accept drafts
     inputs: Any = None  # verify: its (positions [B,k+1], sampling steps [B]) on the device
 
 
@@ -121,10 +122,10 @@ class ModelRunner:
             logits, c, sampled = self.programs.run("prefill", ids, positions, last, tables, arrays)
         done = [ch.req if ch.completes else None for ch in chunks]  # rows whose prompt is complete get a token
         if not any(done):  # chunks mid-prompt: only their expert counts
-            return Dispatched("prefill", [], None, t0, c)
+            return Dispatched("prefill", [], t0, c)
         result = sampled if sampled is not None and plain_sampling(arrays, nlp) else \
             self.programs.sample(logits, arrays, nlp)
-        return Dispatched("prefill", done, result, t0, c, drafts if sampled is not None else None)
+        return Dispatched("prefill", done, t0, c, result, drafts if sampled is not None else None)
 
     def _dispatch_decode(self, plan: StepPlan, ahead: Dispatched | None) -> Dispatched:
         reqs, B = plan.decode, plan.decode_batch
@@ -134,7 +135,7 @@ class ModelRunner:
         if ahead is None:
             ids = np.asarray([[r.output_ids[-1]] for r in reqs] + [[0]] * pad, np.int32)
         else:  # the step in flight's sampled tokens, still on the device
-            ids = ahead.result[0].reshape(B, 1)
+            ids = ahead.sampled[0].reshape(B, 1)
         positions = np.asarray([[r.num_tokens - 1 + lag] for r in reqs] + [[0]] * pad, np.int32)
         tables = np.stack([self._table(r.pages) for r in reqs] + [self._table([])] * pad)
         last = np.asarray([0] * len(reqs) + [-1] * pad, np.int32)  # -1: a padding row, no real token
@@ -143,7 +144,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         logits, c, sampled = self.programs.run("decode", ids, positions, last, tables, arrays)
         result = sampled if plain_sampling(arrays, nlp) else self.programs.sample(logits, arrays, nlp)
-        return Dispatched("decode", reqs, result, t0, c)
+        return Dispatched("decode", reqs, t0, c, result)
 
     def _dispatch_verify(self, plan: StepPlan, ahead: Dispatched | None) -> Dispatched:
         """A speculative decode step: each running request's last token and its k drafts (engine/speculative.py).
@@ -160,7 +161,7 @@ class ModelRunner:
                 ids[i] = [r.output_ids[-1]] + (r.drafts or [0] * k)  # no drafts (a scored prefill): rejected
                 positions[i] = r.num_tokens - 1 + np.arange(k + 1)
         else:
-            ids, positions, arrays["steps"] = self.programs.chain_verify(ahead)
+            ids, positions, arrays["steps"] = self.programs.chain_verify(*ahead.verified, ahead.drafts, *ahead.inputs)
         positions, arrays["steps"] = self.programs.put((positions, arrays["steps"]))
         tables = np.stack([self._table(r.pages) for r in reqs] + [self._table([])] * pad)
         last = np.asarray([k] * len(reqs) + [-1] * pad, np.int32)  # -1: a padding row, no real token
@@ -170,8 +171,8 @@ class ModelRunner:
         logits, c, verified, drafts = self.programs.run("decode", ids, positions, last, tables, arrays, max_accept)
         # rows that take one plain token (not speculating) draw it, with its logprobs, from the host's sampler
         fallback = None if all(speculating) else self.programs.sample(logits, arrays, nlp)
-        return Dispatched("verify", reqs, (verified, fallback, speculating), t0, c, drafts,
-                          (positions, arrays["steps"]))
+        return Dispatched("verify", reqs, t0, c, drafts=drafts, verified=verified, fallback=fallback,
+                          speculating=speculating, inputs=(positions, arrays["steps"]))
 
     # ---- results --------------------------------------------------------------------------------------------
     def read_in_flight(self) -> StepResult:
@@ -195,11 +196,11 @@ class ModelRunner:
             if step.kind == "verify":
                 out.rows += self._read_verified(step)
                 continue
-            if step.result is not None:
-                tokens, lps, top_ids, top_lps = jax.device_get(step.result)
+            if step.sampled is not None:
+                tokens, lps, top_ids, top_lps = jax.device_get(step.sampled)
             self.busy_seconds[step.kind] += time.perf_counter() - step.t0
             self.steps[step.kind] += 1
-            if step.result is None:  # a prefill chunk mid-prompt
+            if step.sampled is None:  # a prefill chunk mid-prompt
                 continue
             drafts = None if step.drafts is None else jax.device_get(step.drafts)
             for i, req in enumerate(step.reqs):
@@ -211,8 +212,8 @@ class ModelRunner:
     def _read_verified(self, step: Dispatched) -> list[RowOutput]:
         """A speculative decode step's tokens: each row's accepted drafts and the token after them (or, for a
         row not speculating, the host sampler's token with its logprobs), and its next drafts."""
-        (tokens, accepted), fallback, speculating = step.result
-        tokens, accepted, fallback, drafts = jax.device_get((tokens, accepted, fallback, step.drafts))
+        (tokens, accepted), speculating = step.verified, step.speculating
+        tokens, accepted, fallback, drafts = jax.device_get((tokens, accepted, step.fallback, step.drafts))
         self.busy_seconds["decode"] += time.perf_counter() - step.t0
         self.steps["decode"] += 1
         rows = []
