@@ -143,6 +143,11 @@ class ModelPrograms:
         label = size if kind == "decode" else size[1] if size[0] == 1 else f"{size[0]}x{size[1]}"
         self.report.append((f"{self.name} {kind}", label, seconds))
 
+    @property
+    def ready(self) -> dict[str, list]:
+        """The compiled buckets by kind (shapes.ready)."""
+        return self.shapes.ready
+
     def executables(self, kind: str) -> list:
         return [exe for (k, _), exe in self._programs.items() if k == kind]
 
