@@ -109,13 +109,15 @@ class Instance:
         for h, pages in arrived:
             self.runner.copy_in(h, pages, self.peer.runner)
         rebalance = False
+        flight = self.runner.in_flight
         with self.lock:
-            sync = self.runner.in_flight and self.scheduler.needs_host_tokens(self._peer_view())
+            sync = flight is not None and self.scheduler.needs_host_tokens(self._peer_view(), flight)
         if sync:  # the batch changes: the step in flight's tokens are needed on the host first
             more, rebalance = self._apply(self.runner.read_in_flight())
             touched += more
+            flight = None
         with self.lock:
-            plan = self.scheduler.schedule(self.clock(), self._peer_view(), arrived)
+            plan = self.scheduler.schedule(self.clock(), self._peer_view(), arrived, flight)
         self._send(plan, t0)
         pending = self.runner.dispatch(plan)
         self.scheduler.dispatched(plan)
@@ -182,7 +184,6 @@ class Instance:
             except AssertionError:  # the failure left the page bookkeeping inconsistent: start afresh
                 pass
         self.runner.drop_in_flight()
-        s.reset_in_flight()
         with self.lock:
             lost = [r for q in (s.prefilling, s.running) for r in q]
             for req in lost:

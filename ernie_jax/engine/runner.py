@@ -40,6 +40,7 @@ class Dispatched(NamedTuple):
     fallback: Any = None  # verify: the host sampler's result for the rows not speculating (None: all speculate)
     speculating: list[bool] | None = None  # verify: which rows accept drafts
     inputs: Any = None  # verify: its (positions [B,k+1], sampling steps [B]) on the device
+    batch: int = 0  # decode / verify: the program's B
 
 
 class ModelRunner:
@@ -55,8 +56,9 @@ class ModelRunner:
         self.in_step: list = []  # the requests handed to programs or read since the step began (a failure's)
 
     @property
-    def in_flight(self) -> bool:
-        return self._ahead is not None
+    def in_flight(self) -> tuple[list, int] | None:
+        """The chained decode step in flight: (its batch, its program's B), or None."""
+        return None if self._ahead is None else (self._ahead.reqs, self._ahead.batch)
 
     # ---- hand-over ----------------------------------------------------------------------------------------
     def copy_out(self, src_pages: list[int]) -> tuple:
@@ -144,7 +146,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         logits, c, sampled = self.programs.run("decode", ids, positions, last, tables, arrays)
         result = sampled if plain_sampling(arrays, nlp) else self.programs.sample(logits, arrays, nlp)
-        return Dispatched("decode", reqs, t0, c, result)
+        return Dispatched("decode", reqs, t0, c, result, batch=B)
 
     def _dispatch_verify(self, plan: StepPlan, ahead: Dispatched | None) -> Dispatched:
         """A speculative decode step: each running request's last token and its k drafts (engine/speculative.py).
@@ -172,15 +174,13 @@ class ModelRunner:
         # rows that take one plain token (not speculating) draw it, with its logprobs, from the host's sampler
         fallback = None if all(speculating) else self.programs.sample(logits, arrays, nlp)
         return Dispatched("verify", reqs, t0, c, drafts=drafts, verified=verified, fallback=fallback,
-                          speculating=speculating, inputs=(positions, arrays["steps"]))
+                          speculating=speculating, inputs=(positions, arrays["steps"]), batch=B)
 
     # ---- results --------------------------------------------------------------------------------------------
     def read_in_flight(self) -> StepResult:
         """Wait for the chained decode step in flight and return its tokens."""
         ahead, self._ahead = self._ahead, None
-        result = self.read([ahead] if ahead is not None else [])
-        result.drained = True
-        return result
+        return self.read([ahead] if ahead is not None else [])
 
     def drop_in_flight(self) -> None:
         self._ahead = None

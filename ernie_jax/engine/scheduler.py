@@ -66,7 +66,6 @@ class Scheduler:
         self.outgoing: list[Request] = []  # handed over, their KV being copied to the peer
         self.acting = home  # the role it plays now (policy.acting_role)
         self.decode_step_seconds = 0.0  # moving average of the steps that decoded (the policy's TPOT view)
-        self._in_flight: tuple[list[Request], int] | None = None  # a chained decode step's batch and program B
         self._admissions = 0
         self.num_preemptions = 0
         self.prefill_tokens = 0  # tokens prefills computed (not served by the cache)
@@ -88,10 +87,9 @@ class Scheduler:
     def seats_taken(self) -> int:
         return len(self.prefilling) + len(self.running)
 
-    @property
-    def in_flight(self) -> int:
+    def _lag(self, in_flight) -> int:
         """Tokens per running request that a decode step still in flight adds (at most)."""
-        return 0 if self._in_flight is None else self.kv.lookahead + 1
+        return 0 if in_flight is None else self.kv.lookahead + 1
 
     def holds(self, req: Request) -> bool:
         """Whether req's seat, pages or hand-over is this instance's."""
@@ -153,24 +151,24 @@ class Scheduler:
             arrived.append((self.incoming.pop(0), pages))
         return arrived
 
-    def needs_host_tokens(self, peer: InstanceView | None) -> bool:
-        """Whether the decode step in flight must be read before planning: the batch changes (a hand-over, a
-        preemption for pages, a request that left or ended), its program size changed, or every row ends
-        by length with the tokens in flight (chaining another step would be wasted)."""
-        if self._in_flight is None:
-            return False
-        batch, B = self._in_flight
-        return (self._hand_over_count(peer) > 0 or self._shortfall(self.in_flight) > 0
+    def needs_host_tokens(self, peer: InstanceView | None, in_flight: tuple[list[Request], int]) -> bool:
+        """Whether the decode step in flight (its batch and program B, as the runner holds it) must be read
+        before planning: the batch changes (a hand-over, a preemption for pages, a request that left or
+        ended), its program size changed, or every row ends by length with the tokens in flight (chaining
+        another step would be wasted)."""
+        batch, B = in_flight
+        return (self._hand_over_count(peer) > 0 or self._shortfall(self._lag(in_flight)) > 0
                 or len(batch) != len(self.running) or any(a is not b for a, b in zip(batch, self.running))
                 or B != self.shapes.bucket("decode", len(batch))
                 or all(self.outputs.done_by_length(r, len(r.output_ids) + 1) for r in batch))
 
     # ---- 4: the plan --------------------------------------------------------------------------------------------
-    def schedule(self, now: float, peer: InstanceView | None, arrived=()) -> StepPlan:
-        """Decide this step (after needs_host_tokens was answered: with a step in flight, nothing leaves the
-        batch). arrived: what receive() returned at this boundary, carried in the plan for the runner."""
-        hand_over = self._hand_over(peer) if self._in_flight is None else []
-        preempted = self._grow()
+    def schedule(self, now: float, peer: InstanceView | None, arrived=(), in_flight=None) -> StepPlan:
+        """Decide this step. arrived: what receive() returned at this boundary, carried in the plan for the
+        runner. in_flight: the (batch, B) of a decode step the runner still has in flight, after
+        needs_host_tokens said it may stay so (then nothing leaves the batch and the decode step follows it)."""
+        hand_over = self._hand_over(peer) if in_flight is None else []
+        preempted = self._grow(self._lag(in_flight))
         seats = self.policy.admit_seats(self.view(), len(self.waiting), peer, self._oldest_wait(now))
         admitted = self._admit(now, seats) if seats else []
         acting = self.policy.acting_role(self.view())
@@ -179,12 +177,10 @@ class Scheduler:
         prefill, shape = self._prefill_chunks() if self.prefilling else ([], (0, 0))
         decode = list(self.running)
         B = self.shapes.bucket("decode", len(decode)) if decode else 0
-        after = self._in_flight is not None
         chain = self.overlap and bool(decode) and (all(r.speculates for r in decode) if self.kv.lookahead else
-                                  not any(r.params.uses_penalties for r in decode))
-        self._in_flight = (decode, B) if chain else None
-        return StepPlan(list(arrived), hand_over, preempted, admitted, prefill, shape, decode, B, after, chain,
-                        role_switch)
+                                                   not any(r.params.uses_penalties for r in decode))
+        return StepPlan(list(arrived), hand_over, preempted, admitted, prefill, shape, decode, B,
+                        in_flight is not None, chain, role_switch)
 
     def _hand_over_count(self, peer: InstanceView | None) -> int:
         if peer is None or not self.running:
@@ -207,10 +203,10 @@ class Scheduler:
         """Pages the running batch lacks for its next step, beyond the free ones."""
         return sum(self.kv.slots_needed(r, lag) for r in self.running) - self.pool.free
 
-    def _grow(self) -> list[Request]:
-        """Give every running request the pages its next step writes, preempting the most recently admitted
-        requests of the pool until they fit; returns the preempted requests."""
-        preempted, lag = [], self.in_flight
+    def _grow(self, lag: int) -> list[Request]:
+        """Give every running request the pages its next step writes (lag: tokens a step in flight adds),
+        preempting the most recently admitted requests of the pool until they fit; returns the preempted."""
+        preempted = []
         while self._shortfall(lag) > 0:
             victim = max(self.running + self.prefilling, key=lambda r: r.admitted)
             self._preempt(victim)
@@ -318,13 +314,7 @@ class Scheduler:
                 self.kv.written(req, req.num_tokens - 1)  # every token but the newest has been fed
             if not touched or touched[-1] is not req:
                 touched.append(req)
-        if result.drained:
-            self._in_flight = None
         return touched
-
-    def reset_in_flight(self) -> None:
-        """The runner dropped the decode step in flight (a failed step)."""
-        self._in_flight = None
 
     def _release(self, req: Request) -> None:
         for queue in (self.prefilling, self.running):

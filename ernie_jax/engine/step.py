@@ -76,7 +76,6 @@ class StepResult:
     rows: list[RowOutput]  # in dispatch order
     scored: list[tuple[Request, int, list[int], Any]] = dataclasses.field(default_factory=list)  # prompt logprobs
     expert_counts: list[Any] = dataclasses.field(default_factory=list)  # tokens per expert per MoE layer, per program
-    drained: bool = False  # no decode step is left in flight after this result
 
 
 class StepRecord(NamedTuple):

@@ -52,7 +52,7 @@ class SimConfig:
 class SimRunner:
     """The engine's runner contract in virtual time: plans in, one token per row out, costs from the model."""
 
-    in_flight = False  # the simulator's schedulers do not chain decode steps (overlap=False)
+    in_flight = None  # the simulator's schedulers do not chain decode steps (overlap=False)
     programs = None  # no compiled programs (the simulator models fixed expert placement: no EPLB)
 
     def __init__(self, devices: int, cost: CostModel, page_size: int):
