@@ -10,10 +10,10 @@ A boundary, in the order the instance driver (engine/instance.py) calls it:
 1. `drop_aborted()`: requests another thread asked to abort finish here, pages freed.
 2. `receive(now)`: requests handed over whose KV has landed get pages and a seat (the runner copies their
    KV in).
-3. `needs_host_tokens(peer)`: whether this boundary changes the decode batch while a decode step is still
-   in flight (a hand-over, a preemption, a request leaving or ending): then the runner reads that step
-   first and `update()` applies it.
-4. `schedule(now, peer)`: hand-overs (PD policy, engine/policy.py), pages for the running batch's next
+3. `needs_host_tokens(peer, in_flight)`, when the runner has a decode step in flight (its batch and B):
+   whether this boundary changes the decode batch (a hand-over, a preemption, a request leaving or
+   ending): then the runner reads that step first and `update()` applies it.
+4. `schedule(now, peer, arrived, in_flight)`: hand-overs (PD policy, engine/policy.py), pages for the running batch's next
    step (preempting the most recently admitted requests while the pool is short: their pages are freed,
    they go back to the front of the queue and later prefill prompt plus output again, vLLM's recompute),
    admission, the prefill chunks under the token budget, the decode batch.
