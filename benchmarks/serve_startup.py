@@ -1,16 +1,23 @@
-"""Time from `python -m ernie_jax.serve ...` to the first answered chat request, cold and warm.
+"""A newcomer's first minutes with the server: start-up phases, the first chat answer, and chat replies while
+the background compiles run and after they finished, cold and warm.
 
     python benchmarks/serve_startup.py [--runs cold,warm] [-- SERVER FLAGS...]
 
 "cold" uses an empty persistent compilation cache (every program compiles), "warm" the cache the cold run
-filled. Each run launches the server, polls POST /v1/chat/completions until it answers, prints the
-seconds, and stops the server with SIGTERM.
+filled. Each run launches `python -m ernie_jax.serve`, polls POST /v1/chat/completions until it answers
+(the first answer), then streams a 48-token greedy reply at once (the background compiles still running)
+and again once the log says they finished (the server idle): each reply's seconds and its decode rate
+(tokens after the first over the seconds after the first). The phases come from the server's log: read
+(checkpoint into host memory), place (weights onto the devices), engine (KV pools and start-up programs),
+ready (launch to listening).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -20,6 +27,10 @@ import time
 
 import httpx
 
+REPLY = {"messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 48,
+         "temperature": 0, "ignore_eos": True, "stream": True}
+BACKGROUND_DONE = "more programs compiled in the background"
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -27,28 +38,57 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def time_to_first_answer(flags: list[str], cache: str, timeout: float = 600) -> float:
-    port = free_port()
+def reply(url: str) -> tuple[float, float]:
+    """(seconds for the whole 48-token streamed reply, decode tokens/s after the first token)."""
+    t0, stamps = time.perf_counter(), []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=REPLY, timeout=120) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"] and \
+                    json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                stamps.append(time.perf_counter())
+    total = time.perf_counter() - t0
+    rate = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else float("nan")
+    return total, rate
+
+
+def run(flags: list[str], cache: str, timeout: float = 900) -> dict:
+    port, log_path = free_port(), tempfile.mktemp(suffix=".log")
+    url = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "ernie_jax.serve", "--port", str(port),
-                             "--compilation-cache-dir", cache, *flags],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "ernie_jax.serve", "--port", str(port),
+                                 "--compilation-cache-dir", cache, *flags], stdout=log_file, stderr=log_file)
+    out: dict = {}
     body = {"messages": [{"role": "user", "content": "你好"}], "max_tokens": 8}
     try:
-        while time.perf_counter() - t0 < timeout:
-            if proc.poll() is not None:
-                raise SystemExit(f"the server exited with {proc.returncode}")
+        while "first answer" not in out:
+            if time.perf_counter() - t0 > timeout or proc.poll() is not None:
+                raise SystemExit(f"no answer (server exit code {proc.poll()}); log: {log_path}")
             try:
-                r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60)
-                if r.status_code == 200:
-                    return time.perf_counter() - t0
+                if httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).status_code == 200:
+                    out["first answer"] = time.perf_counter() - t0
             except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise SystemExit(f"no answer within {timeout} s")
+                time.sleep(0.2)
+        log = open(log_path).read()
+        if BACKGROUND_DONE not in log:
+            out["reply while compiling"], out["tok/s while compiling"] = reply(url)
+        while BACKGROUND_DONE not in open(log_path).read():
+            if time.perf_counter() - t0 > timeout:
+                raise SystemExit(f"the background compiles did not finish; log: {log_path}")
+            time.sleep(0.5)
+        out["reply idle"], out["tok/s idle"] = reply(url)
+        log = open(log_path).read()
+        if m := re.search(r"start-up: (.*)", log):
+            out.update({k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) s", m.group(1))})
+        if m := re.search(r"ready ([\d.]+) s after launch", log):
+            out["ready"] = float(m.group(1))
+        if m := re.search(r"(\d+) more programs compiled in the background in ([\d.]+) s", log):
+            out["background programs"], out["background s"] = int(m.group(1)), float(m.group(2))
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
+    return out
 
 
 def main() -> int:
@@ -57,9 +97,10 @@ def main() -> int:
     ap.add_argument("flags", nargs="*", help="server flags (after --), e.g. -- --mesh 8")
     args = ap.parse_args()
     cache = tempfile.mkdtemp(prefix="ernie_jax_startup_cache_")
-    for run in args.runs.split(","):
-        seconds = time_to_first_answer(args.flags, cache)
-        print(f"{run}: first chat answer {seconds:.1f} s after launch ({' '.join(args.flags) or 'default flags'})",
+    for name in args.runs.split(","):
+        out = run(args.flags, cache)
+        print(f"{name} ({' '.join(args.flags) or 'one device'}): "
+              + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in out.items()),
               flush=True)
     return 0
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Sequence
 
 import jax
@@ -63,6 +64,7 @@ class LLM:
             raise ValueError(f"give either config or settings, not both ({sorted(settings)})")
         load = config.load
         jdtype = _DTYPES[load.dtype]
+        t0 = time.perf_counter()
         if load.compilation_cache_dir and not jax.config.jax_compilation_cache_dir:
             # Every bucket is compiled at start-up; a warm restart reads them back from this folder.
             jax.config.update("jax_compilation_cache_dir", os.path.expanduser(load.compilation_cache_dir))
@@ -107,11 +109,17 @@ class LLM:
                 raise ValueError(f"speculative_config.model={speculative.model!r}: the MTP weights are read "
                                  "from the served checkpoint (its ernie.mtp_block.0.* tensors or its mtp/ folder); "
                                  "give its path, its mtp/ folder, or leave the field out")
+        t_read = time.perf_counter()
         decode_model, prefill_model, balancer = self._place(cfg, given, weights, jdtype, config.parallel,
                                                             load.kernels, config.eplb)
         self.model = decode_model  # the decode-side model (on the decode submesh under PD)
+        t_place = time.perf_counter()
         self.engine = Engine(decode_model, config, prefill_model=prefill_model, tokenizer=self.tokenizer,
                              eos_token_ids=frozenset(eos), expert_balancer=balancer)
+        # Seconds per start-up phase: reading the checkpoint into host memory, placing the weights on the
+        # devices, and the engine's KV pools and start-up programs.
+        self.startup_phases = {"read": t_read - t0, "place": t_place - t_read,
+                               "engine": time.perf_counter() - t_place}
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

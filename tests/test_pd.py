@@ -1,5 +1,6 @@
 """Prefill/decode disaggregation: independent instance loops, hand-over of KV, dynamic role switching."""
 
+import dataclasses
 import functools
 import threading
 import time
@@ -52,6 +53,11 @@ def test_policy_rules():
     assert dyn.handover_count(view("prefill", running=4), 1, view("decode", running=6)) == 2
     assert dyn.acting_role(view("prefill", running=1)) == "decode"
     assert dyn.acting_role(view("decode", prefilling=1)) == "prefill"
+    # a role whose programs are still compiling (behind a serving engine) is never switched to
+    busy = view("prefill", prefilling=2)
+    assert dyn.admit_seats(dataclasses.replace(view("decode", running=1), can_prefill=False), 3, busy) == 0
+    assert dyn.handover_count(dataclasses.replace(view("prefill", running=4), can_decode=False), 0,
+                              view("decode")) == 4
     with pytest.raises(ValueError, match="pd policy"):
         PDPolicy("sometimes")
     with pytest.raises(ValueError, match="tpot_target must be a positive"):

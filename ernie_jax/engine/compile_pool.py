@@ -1,13 +1,18 @@
 """The compile pool: ahead-of-time compiles run on a thread pool (XLA compiles without the GIL, so start-up
-uses every core) and can be cancelled by a shutting-down engine."""
+uses every core), or one at a time behind a serving engine (`compile_behind`), and can be cancelled by a
+shutting-down engine."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
+import logging
 import os
 import threading
 import time
 from typing import Any, Callable
+
+log = logging.getLogger("ernie_jax.engine")
 
 
 def compile_all(jobs: dict[Any, Callable[[], Any]], on_done: Callable[[Any, Any, float], None],
@@ -31,3 +36,39 @@ def compile_all(jobs: dict[Any, Callable[[], Any]], on_done: Callable[[Any, Any,
             if (done := f.result()) is not None:
                 on_done(futures[f], *done)
 
+
+
+def compile_behind(queues: list[list[tuple[Callable[[], Any], Callable[[Any, float], None]]]],
+                   busy: Callable[[], bool], cancelled: threading.Event, max_pause: float = 10.0) -> int:
+    """Run (job, on_done) pairs one at a time on the calling thread, taking the queues in turn (one per
+    instance, each in its own order of use), so a serving engine keeps its cores: the thread runs at the
+    lowest CPU priority, and each job first waits while busy() (requests are being served), for at most
+    max_pause seconds, so constant traffic still gets its programs. Lowering a program is Python under the
+    GIL, which the serving threads also need. Returns how many jobs ran."""
+    _lowest_priority()
+    done, t0 = 0, time.perf_counter()
+    for pair in itertools.chain.from_iterable(itertools.zip_longest(*queues)):
+        if pair is None:
+            continue
+        job, on_done = pair
+        deadline = time.monotonic() + max_pause
+        while busy() and time.monotonic() < deadline and not cancelled.is_set():
+            time.sleep(0.05)
+        if cancelled.is_set():
+            break
+        started = time.perf_counter()
+        result = job()
+        on_done(result, time.perf_counter() - started)
+        done += 1
+    log.info("%d more programs compiled in the background in %.1f s%s", done, time.perf_counter() - t0,
+             " (stopped: shutting down)" if cancelled.is_set() else "")
+    return done
+
+
+def _lowest_priority() -> None:
+    """Nice 19 for the calling thread (Linux: a thread is a task with its own nice value; threads XLA starts
+    from it inherit it). Elsewhere, or where not permitted, the thread keeps its priority."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError) as e:
+        log.debug("background compiles keep the normal priority: %s", e)

@@ -21,6 +21,7 @@ from typing import Callable
 
 import numpy as np
 
+from ernie_jax.engine.compile_pool import compile_behind
 from ernie_jax.engine.config import EngineConfig
 from ernie_jax.engine.cpu_rules import min_decode_rows
 from ernie_jax.engine.instance import Instance, StepOutputs
@@ -84,8 +85,10 @@ class Engine:
             if inst.pool.capacity < self.max_pages:
                 log.warning("the %s pool holds %d tokens, less than max_model_len %d: requests that may grow "
                             "past it are rejected", inst.name, inst.pool.capacity * self.page_size, self.max_model_len)
-        if sched.background_compile:  # one thread, so serving keeps a core
-            threading.Thread(target=lambda: [i.programs.compile_rest(workers=1) for i in self.instances],
+        self._compiles_cancelled = threading.Event()
+        if sched.background_compile:
+            jobs = [i.programs.take_rest() for i in self.instances]  # paused while requests are being served
+            threading.Thread(target=compile_behind, args=(jobs, lambda: bool(self.requests), self._compiles_cancelled),
                              daemon=True, name="ernie-compile").start()
         else:
             for inst in self.instances:
@@ -124,7 +127,8 @@ class Engine:
                                      max_pages_per_seq=table_pages(self.max_model_len, self.page_size, k),
                                      speculative_tokens=k, expert_placement=placement,
                                      batch_invariant=sched.batch_invariant,
-                                     pages_without_memory_limit=self.max_num_seqs * self.max_pages + 1)
+                                     pages_without_memory_limit=self.max_num_seqs * self.max_pages + 1,
+                                     startup_kinds=("prefill", "decode") if home == "mixed" else (home,))
             # The prefix cache's hash chain starts from what else decides a page's KV besides its tokens.
             salt_dtype = salt_dtype or programs.cache.k[0].dtype
             pages = PagePool(programs.num_pages, self.page_size, enable_caching=cache.enable_prefix_caching,
@@ -354,6 +358,7 @@ class Engine:
 
     def shutdown(self) -> None:
         """stop() for good: also skip the background compiles not started yet, so the process exits now."""
+        self._compiles_cancelled.set()
         for inst in self.instances:
             inst.programs.cancel_compiles()
         self.stop()

@@ -10,7 +10,8 @@ and the PD simulator (ernie_jax/sim) ask the same object. Each instance has a ho
 static: the prefill instance prefills and hands every finished prompt over; the decode instance never
 prefills (a preempted request goes back to the queue and is prefilled again by the prefill instance).
 
-dynamic (role switching):
+dynamic (role switching), as far as the instance has the other role's programs compiled (a serving engine
+compiles them after its own role's):
 - prefill -> decode: while nothing waits and it has nothing to prefill, the prefill instance keeps the
   prompts it finished and decodes them in place (no transfer), handing over only what makes the two decode
   batches even (both instances decode; a decode step's cost grows slowly with its batch); as soon as a
@@ -52,6 +53,8 @@ class InstanceView:
     free_pages: int
     capacity: int  # pages in its pool
     decode_step_seconds: float = 0.0  # recent decode step time (moving average; 0: none yet)
+    can_prefill: bool = True  # a prefill program is compiled (the other role's compile behind a serving engine)
+    can_decode: bool = True
 
     @property
     def seats_free(self) -> int:
@@ -80,7 +83,7 @@ class PDPolicy:
     def admit_seats(self, me: InstanceView, waiting: int, peer: InstanceView | None, oldest_wait: float = 0.0) -> int:
         """How many waiting prompts `me` may admit for prefill now (its scheduler still checks pages).
         oldest_wait: seconds the oldest waiting prompt has waited."""
-        if waiting == 0 or me.seats_free <= 0:
+        if waiting == 0 or me.seats_free <= 0 or not me.can_prefill:
             return 0
         if me.home == "mixed":
             return me.seats_free
@@ -101,7 +104,7 @@ class PDPolicy:
         instance hands over."""
         if me.home != "prefill" or me.running == 0:
             return 0
-        if self.mode == "static":
+        if self.mode == "static" or not me.can_decode:
             return me.running
         room = max(0, peer.seats_free - peer.backlog)
         if self.tpot_target is not None and max(me.decode_step_seconds, peer.decode_step_seconds) > self.tpot_target:

@@ -4,8 +4,8 @@ executable per bucketed shape (engine/shapes.py) of the step functions (engine/s
 Prefill programs have shape (B, T), decode programs a batch size B (one token for each of B sequences, or
 k + 1 with speculative decoding). Every executable donates the pool and has explicit input and output
 shardings, so the pool is updated in place and never leaves its devices. The constructor compiles the
-largest bucket of each kind, which serves any request; `compile_rest` the others, which join `shapes`
-as each is ready (so they can compile behind a serving engine). A prefill that also returns prompt
+largest bucket of each kind (of `startup_kinds`), which serves any request; `compile_rest` the others,
+which join `shapes` as each is ready (`take_rest` hands them to a compile thread behind a serving engine). A prefill that also returns prompt
 logprobs compiles on first use unless listed in score_buckets. `report` lists programs and compile
 seconds (they compile in parallel, so the seconds overlap).
 """
@@ -43,7 +43,8 @@ class ModelPrograms:
     def __init__(self, model: ErnieForCausalLM, name: str, cache: CacheConfig, *, max_pages_per_seq: int,
                  prefill_buckets: list[tuple[int, int]], decode_buckets: list[int],
                  score_buckets: tuple[int, ...] = (), batch_invariant: bool = False, speculative_tokens: int = 0,
-                 expert_placement=None, pages_without_memory_limit: int = 0):
+                 expert_placement=None, pages_without_memory_limit: int = 0,
+                 startup_kinds: tuple[str, ...] = ("prefill", "decode")):
         """prefill_buckets: (B, T) shapes, with (1, T) for every chunk length T; decode_buckets: batch sizes.
         cache: the pool's pages (num_gpu_blocks_override, the null page included), or None to size it from
         device memory: gpu_memory_utilization (default 0.9, vLLM's) of each device's memory minus what is
@@ -54,7 +55,9 @@ class ModelPrograms:
         server's, in the background); any other length compiles on first use.
         speculative_tokens: k > 0 for MTP speculative decoding: the pool holds the MTP block's KV too,
         prefill programs also draft k tokens, decode programs verify k drafts (T = k + 1) and draft again.
-        expert_placement: the redundant-expert placement the model's weights were laid out in (EPLB), or None."""
+        expert_placement: the redundant-expert placement the model's weights were laid out in (EPLB), or None.
+        startup_kinds: the kinds whose largest bucket compiles in the constructor; the rest wait for
+        compile_rest() or take_rest() (in order of use, below)."""
         self.cfg, self.plan, self.name, self.execution = model.config, model.plan, name, model.execution
         self.k = speculative_tokens
         self.expert_placement = expert_placement
@@ -85,6 +88,9 @@ class ModelPrograms:
         self.cache_shardings = shardings(jax.eval_shape(self._new_cache))
         self.cache = jax.device_put(self._new_cache(), self.cache_shardings)
         self.report: list[tuple[str, int, float]] = []
+        # Weights and pool as shapes and shardings: what lowering needs (the pool's buffers are donated).
+        self._abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                                      (self.weights, self.cache))
         w_shardings = jax.tree.map(lambda a: a.sharding, self.weights)
         build = functools.partial(step_program, self.cfg, self.plan, self.execution, w_shardings,
                                   self.cache_shardings, self.replicated, batch_invariant)
@@ -97,22 +103,34 @@ class ModelPrograms:
         self._programs: dict[tuple[str, int], Any] = {}
         self.shapes = ShapeTable()  # the compiled buckets
         extra = lambda B: ((B,),) if self.k else ()  # noqa: E731 -- next_tokens / max_accept
-        lowered = {("prefill", (B, T)): self._lower(self._jit, B, T, extra(B), sampling=True)
-                   for B, T in prefill_buckets}
-        lowered.update({("decode", B): self._lower(self._verify_jit, B, self.k + 1, extra(B), sampling=True)
+        # Tracing and lowering a program costs about as much as loading it from the compilation cache, so
+        # each bucket is lowered by its own compile job, not all of them before the first one compiles.
+        lower = functools.partial(functools.partial, self._lower)
+        lowered = {("prefill", (B, T)): lower(self._jit, B, T, extra(B), sampling=True) for B, T in prefill_buckets}
+        lowered.update({("decode", B): lower(self._verify_jit, B, self.k + 1, extra(B), sampling=True)
                         for B in decode_buckets})
-        lowered.update({("score", T): self._lower(self._score_jit, 1, T, extra=((1, T),)) for T in score_buckets})
+        lowered.update({("score", T): lower(self._score_jit, 1, T, extra=((1, T),)) for T in score_buckets})
 
         def job(key):
-            return lowered[key].compile()
+            return lowered[key]().compile()
         # The largest single-chunk prefill and the largest decode batch serve any request (padded), so those
-        # compile first; the rest compile in compile_rest(), now or behind a serving engine.
-        largest = {("prefill", (1, max(T for _, T in prefill_buckets)))} if prefill_buckets else set()
-        largest |= {("decode", max(decode_buckets))} if decode_buckets else set()
+        # compile first; the rest compile in compile_rest() now, or behind a serving engine (take_rest()).
+        largest = [("prefill", (1, max(T for _, T in prefill_buckets)))] if prefill_buckets else []
+        largest += [("decode", max(decode_buckets))] if decode_buckets else []
+        first = [k for k in largest if k[0] in startup_kinds]
         self.pending = len(lowered)  # buckets not compiled yet
         self._cancelled = threading.Event()
-        compile_all({k: functools.partial(job, k) for k in largest}, self._publish)
-        self._rest = {k: functools.partial(job, k) for k in lowered if k not in largest}
+        compile_all({k: functools.partial(job, k) for k in first}, self._publish)
+        # The rest in order of use: the startup kinds' buckets from the smallest (light traffic runs those),
+        # then the other kind's largest (role switching can start), its other buckets, prompt scoring.
+        def order(key):
+            kind, size = key
+            if kind == "score":
+                return (3, 0, size)
+            if kind in startup_kinds:
+                return (0, kind != "decode", size)
+            return (1 if key in largest else 2, kind != "decode", size)
+        self._rest = {k: functools.partial(job, k) for k in sorted(set(lowered) - set(first), key=order)}
 
     def compile_rest(self, workers: int | None = None) -> None:
         """Compile the buckets the constructor left (all but the largest of each kind)."""
@@ -121,10 +139,14 @@ class ModelPrograms:
             return
         t0 = time.perf_counter()
         compile_all(jobs, self._publish, workers, self._cancelled)
-        if self._cancelled.is_set():
-            log.info("%s: background compiling stopped, %d buckets left", self.name, self.pending)
-        else:
-            log.info("%s: %d more buckets compiled in %.1f s", self.name, len(jobs), time.perf_counter() - t0)
+        log.info("%s: %d more buckets compiled in %.1f s", self.name, len(jobs) - self.pending,
+                 time.perf_counter() - t0)
+
+    def take_rest(self) -> list[tuple[Any, Any]]:
+        """The buckets left to compile, in order, as (job, on_done(executable, seconds)) pairs for
+        compile_pool.compile_behind; compile_rest() then has nothing left."""
+        jobs, self._rest = self._rest, {}
+        return [(job, functools.partial(self._publish, key)) for key, job in jobs.items()]
 
     def cancel_compiles(self) -> None:
         """Skip the buckets compile_rest() has not started (a shutting-down engine never uses them)."""
@@ -152,9 +174,7 @@ class ModelPrograms:
         return [exe for (k, _), exe in self._programs.items() if k == kind]
 
     def _lower(self, jitted, B: int, T: int, extra: tuple = (), sampling: bool = False):
-        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                                (self.weights, self.cache))
-        return lower_step(jitted, *abstract, self.replicated, B, T, self.max_pages, extra, sampling)
+        return lower_step(jitted, *self._abstract, self.replicated, B, T, self.max_pages, extra, sampling)
 
     def place_experts(self, new) -> None:
         """EPLB: move the routed experts into a new placement's slots (engine/expert_moves.py)."""

@@ -96,8 +96,10 @@ class Scheduler:
         return req.holder == self.name and req.status in (PREFILLING, RUNNING, HANDING_OVER)
 
     def view(self) -> InstanceView:
+        ready = self.shapes.ready
         return InstanceView(self.name, self.home, len(self.prefilling), len(self.running), len(self.incoming),
-                            self.max_num_seqs, self.pool.free, self.pool.capacity, self.decode_step_seconds)
+                            self.max_num_seqs, self.pool.free, self.pool.capacity, self.decode_step_seconds,
+                            can_prefill=bool(ready["prefill"]), can_decode=bool(ready["decode"]))
 
     def observe_step(self, seconds: float) -> None:
         """A step that decoded took this long (the policy's TPOT view)."""

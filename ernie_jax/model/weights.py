@@ -23,6 +23,7 @@ V vocab, L layers in a segment, P pages.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -175,8 +176,14 @@ def cpu_layout(weights: dict[str, Any], expert_groups: int = 1) -> dict[str, Any
     leaves also become a tuple of that many [E/groups, ...] stacks (layers.routed_experts takes either
     form). XLA:CPU runs the groups' batched matmuls side by side, one per core, where one batched matmul
     over all experts splits each small matmul across the cores: on 2 cores, 2 groups made the bench-512
-    decode step 0.94x as long (4 groups: 0.99x)."""
+    decode step 0.94x as long (4 groups: 0.99x).
+
+    Block-FP8 values are held as f32 (exactly: every e4m3 value is an f32): XLA:CPU has no FP8 arithmetic,
+    so an FP8 operand is converted to f32 inside every matmul, i.e. every weight at every step; converted
+    once here, the matmuls compute the same numbers (tests/test_fp8.py) at 4x the bytes."""
     from jax.sharding import NamedSharding, PartitionSpec as P
+
+    weights = _fp8_values_as_f32(weights)
 
     def layer_sharding(a):  # the sharding of a[i] (and of a[i, e0:e1]): a's, less the layer axis
         s = a.sharding
@@ -206,3 +213,13 @@ def cpu_layout(weights: dict[str, Any], expert_groups: int = 1) -> dict[str, Any
         split = jax.jit(lambda seg: [layer(seg, i) for i in range(count)], out_shardings=[shardings] * count)
         segments.append(split(seg))
     return {**weights, "segments": segments}
+
+
+def _fp8_values_as_f32(weights: dict[str, Any]) -> dict[str, Any]:
+    """weights with every BlockFP8's values converted to f32 on their devices (same shardings)."""
+    is_fp8 = lambda x: isinstance(x, BlockFP8)  # noqa: E731
+    if not any(map(is_fp8, jax.tree.leaves(weights, is_leaf=is_fp8))):
+        return weights
+    widen = lambda x: dataclasses.replace(x, values=x.values.astype(jnp.float32)) if is_fp8(x) else x  # noqa: E731
+    shardings = jax.tree.map(lambda a: a.sharding, weights)
+    return jax.jit(lambda w: jax.tree.map(widen, w, is_leaf=is_fp8), out_shardings=shardings)(weights)

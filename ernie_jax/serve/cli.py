@@ -184,6 +184,7 @@ def _log_startup(llm, model_dir: str, args) -> None:
              cfg.vocab_size, q, args.kv_cache_dtype)
     for line in startup_lines(llm.engine):
         log.info("%s", line)
+    log.info("start-up: %s", ", ".join(f"{phase} {sec:.1f} s" for phase, sec in llm.startup_phases.items()))
 
 
 def _leaves(model):
