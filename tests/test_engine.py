@@ -17,7 +17,7 @@ from ernie_jax import LLM, RequestError, SamplingParams, SamplingParamsError, lo
 from ernie_jax.assets import EMBEDDED_MODEL_DIR
 from ernie_jax.engine.async_engine import AsyncEngine
 from ernie_jax.engine.policy import PDPolicy
-from ernie_jax.engine.compile_pool import compile_all
+from ernie_jax.engine.compile_pool import compile_all, compile_behind
 from ernie_jax.engine.cpu_rules import cpu_expert_groups, min_decode_rows
 from tests.conftest import GOLDEN
 
@@ -70,6 +70,46 @@ def test_cancelled_compile_all_makes_no_thread_pool(monkeypatch):
     cancelled = threading.Event()
     cancelled.set()
     compile_all({0: lambda: "exe0"}, lambda *a: pytest.fail("a cancelled job ran"), workers=1, cancelled=cancelled)
+
+
+def test_compile_behind_takes_instances_in_turn_yields_to_requests_and_survives_a_failure(caplog):
+    order, published, busy = [], [], [True]
+
+    def job(name):
+        order.append(name)
+        if name == "p2":
+            raise RuntimeError("an XLA error")
+        busy[0] = False
+        return f"exe-{name}"
+    queues = [[(functools.partial(job, n), functools.partial(lambda n, exe, s: published.append(exe), n))
+               for n in names] for names in (["p1", "p2", "p3"], ["d1"])]
+    t0 = time.perf_counter()
+    assert compile_behind(queues, lambda: busy[0], threading.Event(), max_pause=0.3) == 3
+    assert time.perf_counter() - t0 >= 0.3  # the first job waited for the busy engine, at most max_pause
+    assert order == ["p1", "d1", "p2", "p3"] and published == ["exe-p1", "exe-d1", "exe-p3"]
+    assert "a background compile failed" in caplog.text
+    cancelled = threading.Event()
+    cancelled.set()
+    assert compile_behind(queues, lambda: False, cancelled) == 0
+
+
+def test_background_compile_serves_with_the_programs_it_has_and_finishes():
+    """A PD engine compiling behind: each instance starts with its own role's largest program, requests run
+    while the rest compile (no role switch onto a role without programs), outputs match the engine that
+    compiled everything first."""
+    bg = LLM(golden_model(), **SMALL, mesh=8, prefill_devices=4, background_compile=True)
+    prompts = [[1, 5, 9, 200, 31], [1, 7, 7, 7], [1, 42]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in bg.generate(prompt_token_ids=prompts, sampling_params=params)]
+    deadline = time.monotonic() + 300
+    while any(i.programs.pending for i in bg.engine.instances) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(i.programs.pending for i in bg.engine.instances)
+    want = [o.outputs[0].token_ids for o in llm("pd").generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert got == want
+    assert [o.outputs[0].token_ids for o in bg.generate(prompt_token_ids=prompts, sampling_params=params)] == want
+    assert all_free(bg.engine)
+    bg.engine.shutdown()
 
 
 @pytest.mark.parametrize("mode", ["single", "colocated8", "pd"])

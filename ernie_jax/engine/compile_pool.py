@@ -57,7 +57,11 @@ def compile_behind(queues: list[list[tuple[Callable[[], Any], Callable[[Any, flo
         if cancelled.is_set():
             break
         started = time.perf_counter()
-        result = job()
+        try:
+            result = job()
+        except Exception:  # noqa: BLE001 -- that bucket stays out: its work runs padded in a larger one
+            log.exception("a background compile failed; the engine keeps serving with the programs it has")
+            continue
         on_done(result, time.perf_counter() - started)
         done += 1
     log.info("%d more programs compiled in the background in %.1f s%s", done, time.perf_counter() - t0,

@@ -85,6 +85,7 @@ class Engine:
             if inst.pool.capacity < self.max_pages:
                 log.warning("the %s pool holds %d tokens, less than max_model_len %d: requests that may grow "
                             "past it are rejected", inst.name, inst.pool.capacity * self.page_size, self.max_model_len)
+        self.requests: dict[str, Request] = {}
         self._compiles_cancelled = threading.Event()
         if sched.background_compile:
             jobs = [i.programs.take_rest() for i in self.instances]  # paused while requests are being served
@@ -94,7 +95,6 @@ class Engine:
             for inst in self.instances:
                 inst.programs.compile_rest()
         self.startup_seconds = time.perf_counter() - t0
-        self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._rng = np.random.default_rng(config.load.seed)
         self.moe_layers = [i for i in range(self.cfg.num_hidden_layers) if self.cfg.is_moe_layer(i)]
