@@ -85,7 +85,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos:
 def paged_attention(q, k_pool, v_pool, k_scale, v_scale, tables, positions, ex: ExecutionConfig = REFERENCE,
                     plan=None, constrain=lambda x: x) -> jax.Array:
     """`attention` over a paged KV cache (ops/paged_attention): q [B,T,N,D] at positions [B,T] -> [B,T,N*D].
-    Under a mesh a kernel runs per device over its KV heads where the layout allows; the XLA form then reads
+    Under a mesh a kernel (or XLA:CPU's form) runs per device over its KV heads where the layout allows
+    (sharding/attention.py); the XLA form otherwise reads
     the whole table in one block, with `constrain` pinning the gathered slots to the cache's head layout:
     a loop over blocks would gather pages from the other devices on every iteration and make XLA copy the
     pool around the loop (benchmarks/RESULTS.md, "CPU measurements behind design choices")."""
@@ -93,7 +94,7 @@ def paged_attention(q, k_pool, v_pool, k_scale, v_scale, tables, positions, ex: 
     if plan is None:
         return paged_attention_op(*args, implementation=ex.paged_attention, block_slots=ex.attention_block_slots,
                                   platform=ex.platform)
-    if ex.uses_kernel("paged_attention"):
+    if ex.paged_attention != "xla":
         out = paged_attention_sharded(*args, plan, ex.paged_attention, ex.platform)
         if out is not None:
             return out

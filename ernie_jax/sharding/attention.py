@@ -3,8 +3,11 @@
 A pallas_call is not partitioned by GSPMD, so under a mesh the kernel runs per device: when query and KV
 heads are split over the same mesh axes (evenly) and the page pool is not split over a data axis, every
 device attends its local query heads to its local KV heads, with replicated block tables and positions.
-Other layouts (KV heads replicated, pools split by data) return None, noted once in the log and the ops
-report; the caller then takes the XLA path.
+Where the KV heads do not split over the devices, the rules replicate the pool, and every device attends
+all heads to its own copy (repeated work, no collective). The XLA:CPU implementation runs the same way:
+per device it walks only the blocks up to the batch's largest position, where GSPMD's form reads every
+sequence's whole block table. Other layouts (pools split by data, query and KV heads split differently)
+return None, noted once in the log and the ops report; the caller then takes the GSPMD XLA path.
 """
 
 from __future__ import annotations
@@ -24,15 +27,20 @@ def paged_attention_sharded(q, k_pages, v_pages, k_scale, v_scale, block_tables,
     n = plan.size_of(axes)
     data_split = plan.size_of(tuple(a for a in plan.axes_of("batch") if plan.size_of((a,)) > 1)) > 1
     N, K = q.shape[2], k_pages.shape[2]
-    why = ("the page pool is split over a data axis" if data_split else
+    replicated = not data_split and K % n != 0  # the rules replicate a pool whose KV heads do not split
+    why = ("the page pool is split over a data axis" if data_split else None if replicated else
            f"query heads split over {plan.axes_of('q_heads')}, KV heads over {axes}"
-           if plan.axes_of("q_heads") != axes else
-           f"{N} query / {K} KV heads do not split {n} ways" if N % n or K % n else None)
+           if plan.axes_of("q_heads") != axes else f"{N} query heads do not split {n} ways" if N % n else None)
     if why is not None:
         note_fallback("paged_attention", implementation, f"mesh {dict(plan.mesh.shape)}: {why}")
         return None
-    ax = (axes if len(axes) > 1 else axes[0]) if axes else None
-    heads, pool, scales = P(None, None, ax, None), P(None, None, ax, None), P(None, None, ax)
+    if replicated:  # every device attends all heads to its own copy of the pool (no collective)
+        note_fallback("paged_attention", implementation, f"mesh {dict(plan.mesh.shape)}: {K} KV heads do not "
+                      f"split {n} ways, so every device attends all heads")
+        heads, pool, scales = P(), P(), P()
+    else:
+        ax = axes if len(axes) > 1 else axes[0]
+        heads, pool, scales = P(None, None, ax, None), P(None, None, ax, None), P(None, None, ax)
     fp8 = k_scale is not None
     args = [q, k_pages, v_pages] + ([k_scale, v_scale] if fp8 else []) + [block_tables, positions]
     specs = [heads, pool, pool] + ([scales, scales] if fp8 else []) + [P(), P()]
