@@ -75,12 +75,19 @@ def test_cancelled_compile_all_makes_no_thread_pool(monkeypatch):
 def test_compile_behind_takes_instances_in_turn_yields_to_requests_and_survives_a_failure(caplog):
     order, published, busy = [], [], [True]
 
+    class Lowered:  # what lower() returns: compile() runs on the low-priority worker thread
+        def __init__(self, name):
+            self.name = name
+
+        def compile(self):
+            if self.name == "p2":
+                raise RuntimeError("an XLA error")
+            busy[0] = False
+            return f"exe-{self.name}"
+
     def job(name):
         order.append(name)
-        if name == "p2":
-            raise RuntimeError("an XLA error")
-        busy[0] = False
-        return f"exe-{name}"
+        return Lowered(name)
     queues = [[(functools.partial(job, n), functools.partial(lambda n, exe, s: published.append(exe), n))
                for n in names] for names in (["p1", "p2", "p3"], ["d1"])]
     t0 = time.perf_counter()

@@ -40,30 +40,32 @@ def compile_all(jobs: dict[Any, Callable[[], Any]], on_done: Callable[[Any, Any,
 
 def compile_behind(queues: list[list[tuple[Callable[[], Any], Callable[[Any, float], None]]]],
                    busy: Callable[[], bool], cancelled: threading.Event, max_pause: float = 10.0) -> int:
-    """Run (job, on_done) pairs one at a time on the calling thread, taking the queues in turn (one per
-    instance, each in its own order of use), so a serving engine keeps its cores: the thread runs at the
-    lowest CPU priority, and each job first waits while busy() (requests are being served), for at most
-    max_pause seconds, so constant traffic still gets its programs. Lowering a program is Python under the
-    GIL, which the serving threads also need. Returns how many jobs ran."""
-    _lowest_priority()
+    """Compile programs one at a time behind a serving engine: `queues` holds (lower, on_done) pairs, one
+    list per instance in its own order of use, taken in turn. Before each program the calling thread waits
+    while busy() (requests are being served), for at most max_pause seconds so constant traffic still gets
+    its programs, then lowers it (Python, holding the GIL: at normal priority, so a serving thread never
+    waits for the GIL behind a starved thread) and hands the XLA compile, which releases the GIL, to a
+    worker thread at the lowest CPU priority. on_done(executable, seconds). Returns how many compiled."""
     done, t0 = 0, time.perf_counter()
-    for pair in itertools.chain.from_iterable(itertools.zip_longest(*queues)):
-        if pair is None:
-            continue
-        job, on_done = pair
-        deadline = time.monotonic() + max_pause
-        while busy() and time.monotonic() < deadline and not cancelled.is_set():
-            time.sleep(0.05)
-        if cancelled.is_set():
-            break
-        started = time.perf_counter()
-        try:
-            result = job()
-        except Exception:  # noqa: BLE001 -- that bucket stays out: its work runs padded in a larger one
-            log.exception("a background compile failed; the engine keeps serving with the programs it has")
-            continue
-        on_done(result, time.perf_counter() - started)
-        done += 1
+    with concurrent.futures.ThreadPoolExecutor(1, initializer=_lowest_priority,
+                                               thread_name_prefix="ernie-compile-xla") as worker:
+        for pair in itertools.chain.from_iterable(itertools.zip_longest(*queues)):
+            if pair is None:
+                continue
+            lower, on_done = pair
+            deadline = time.monotonic() + max_pause
+            while busy() and time.monotonic() < deadline and not cancelled.is_set():
+                time.sleep(0.05)
+            if cancelled.is_set():
+                break
+            started = time.perf_counter()
+            try:
+                result = worker.submit(lower().compile).result()
+            except Exception:  # noqa: BLE001 -- that bucket stays out: its work runs padded in a larger one
+                log.exception("a background compile failed; the engine keeps serving with the programs it has")
+                continue
+            on_done(result, time.perf_counter() - started)
+            done += 1
     log.info("%d more programs compiled in the background in %.1f s%s", done, time.perf_counter() - t0,
              " (stopped: shutting down)" if cancelled.is_set() else "")
     return done

@@ -111,6 +111,8 @@ class ModelPrograms:
                         for B in decode_buckets})
         lowered.update({("score", T): lower(self._score_jit, 1, T, extra=((1, T),)) for T in score_buckets})
 
+        self._lowerings = lowered
+
         def job(key):
             return lowered[key]().compile()
         # The largest single-chunk prefill and the largest decode batch serve any request (padded), so those
@@ -143,10 +145,10 @@ class ModelPrograms:
                  time.perf_counter() - t0)
 
     def take_rest(self) -> list[tuple[Any, Any]]:
-        """The buckets left to compile, in order, as (job, on_done(executable, seconds)) pairs for
-        compile_pool.compile_behind; compile_rest() then has nothing left."""
-        jobs, self._rest = self._rest, {}
-        return [(job, functools.partial(self._publish, key)) for key, job in jobs.items()]
+        """The buckets left to compile, in order, as (lower() -> Lowered, on_done(executable, seconds)) pairs
+        for compile_pool.compile_behind; compile_rest() then has nothing left."""
+        keys, self._rest = list(self._rest), {}
+        return [(self._lowerings[key], functools.partial(self._publish, key)) for key in keys]
 
     def cancel_compiles(self) -> None:
         """Skip the buckets compile_rest() has not started (a shutting-down engine never uses them)."""
