@@ -16,7 +16,7 @@ serve: $(BIN)/activate
 # Two worker processes, each taking whole files (module-scoped servers and engines stay in one process): one
 # process leaves a core idle while it runs Python between compiles.
 test: $(BIN)/activate
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=20
 
 # Every case, slow ones included: one pytest process per file, so compiled programs and engines do not pile
 # up in one process (the whole suite in one process outgrew this 24 GB, 2-core machine).

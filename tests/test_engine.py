@@ -105,7 +105,7 @@ def test_background_compile_serves_with_the_programs_it_has_and_finishes():
     while the rest compile (no role switch onto a role without programs), outputs match the engine that
     compiled everything first."""
     # one chunk length and one batch size: 2 programs before the engine returns, 4 behind it
-    bg = LLM(golden_model(), max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, mesh=8, prefill_devices=4,
+    bg = LLM(golden_model(), max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, mesh=2, prefill_devices=1,
              background_compile=True)
     assert sum(i.programs.pending for i in bg.engine.instances) >= 3  # (one may have finished already)
     prompts = [[1, 5, 9, 200, 31], [1, 7, 7, 7], [1, 42]]
