@@ -44,8 +44,8 @@ def reply(url: str) -> tuple[float, float]:
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=REPLY, timeout=120) as r:
         r.raise_for_status()
         for line in r.iter_lines():
-            if line.startswith("data: {") and json.loads(line[6:])["choices"] and \
-                    json.loads(line[6:])["choices"][0]["delta"].get("content"):
+            choices = json.loads(line[6:])["choices"] if line.startswith("data: {") else []
+            if choices and choices[0]["delta"].get("content"):
                 stamps.append(time.perf_counter())
     total = time.perf_counter() - t0
     rate = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else float("nan")

@@ -37,7 +37,6 @@ def compile_all(jobs: dict[Any, Callable[[], Any]], on_done: Callable[[Any, Any,
                 on_done(futures[f], *done)
 
 
-
 def compile_behind(queues: list[list[tuple[Callable[[], Any], Callable[[Any, float], None]]]],
                    busy: Callable[[], bool], cancelled: threading.Event, max_pause: float = 10.0) -> int:
     """Compile programs one at a time behind a serving engine: `queues` holds (lower, on_done) pairs, one

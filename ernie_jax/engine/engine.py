@@ -359,8 +359,6 @@ class Engine:
     def shutdown(self) -> None:
         """stop() for good: also skip the background compiles not started yet, so the process exits now."""
         self._compiles_cancelled.set()
-        for inst in self.instances:
-            inst.programs.cancel_compiles()
         self.stop()
         for inst in self.instances:  # the page bookkeeping's invariant, once nothing steps any more
             try:

@@ -5,16 +5,15 @@ Prefill programs have shape (B, T), decode programs a batch size B (one token fo
 k + 1 with speculative decoding). Every executable donates the pool and has explicit input and output
 shardings, so the pool is updated in place and never leaves its devices. The constructor compiles the
 largest bucket of each kind (of `startup_kinds`), which serves any request; `compile_rest` the others,
-which join `shapes` as each is ready (`take_rest` hands them to a compile thread behind a serving engine). A prefill that also returns prompt
-logprobs compiles on first use unless listed in score_buckets. `report` lists programs and compile
-seconds (they compile in parallel, so the seconds overlap).
+which join `shapes` as each is ready (`take_rest` hands them to a compile thread behind a serving
+engine). A prefill that also returns prompt logprobs compiles on first use unless listed in
+score_buckets. `report` lists programs and compile seconds (they compile in parallel, so they overlap).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 from typing import Any
 
@@ -106,23 +105,19 @@ class ModelPrograms:
         # Tracing and lowering a program costs about as much as loading it from the compilation cache, so
         # each bucket is lowered by its own compile job, not all of them before the first one compiles.
         lower = functools.partial(functools.partial, self._lower)
-        lowered = {("prefill", (B, T)): lower(self._jit, B, T, extra(B), sampling=True) for B, T in prefill_buckets}
-        lowered.update({("decode", B): lower(self._verify_jit, B, self.k + 1, extra(B), sampling=True)
-                        for B in decode_buckets})
-        lowered.update({("score", T): lower(self._score_jit, 1, T, extra=((1, T),)) for T in score_buckets})
-
-        self._lowerings = lowered
-
-        def job(key):
-            return lowered[key]().compile()
+        self._lowerings = {("prefill", (B, T)): lower(self._jit, B, T, extra(B), sampling=True)
+                           for B, T in prefill_buckets}
+        self._lowerings.update({("decode", B): lower(self._verify_jit, B, self.k + 1, extra(B), sampling=True)
+                                for B in decode_buckets})
+        self._lowerings.update({("score", T): lower(self._score_jit, 1, T, extra=((1, T),)) for T in score_buckets})
         # The largest single-chunk prefill and the largest decode batch serve any request (padded), so those
         # compile first; the rest compile in compile_rest() now, or behind a serving engine (take_rest()).
         largest = [("prefill", (1, max(T for _, T in prefill_buckets)))] if prefill_buckets else []
         largest += [("decode", max(decode_buckets))] if decode_buckets else []
         first = [k for k in largest if k[0] in startup_kinds]
-        self.pending = len(lowered)  # buckets not compiled yet
-        self._cancelled = threading.Event()
-        compile_all({k: functools.partial(job, k) for k in first}, self._publish)
+        self.pending = len(self._lowerings)  # buckets not compiled yet
+        compile_all(self._jobs(first), self._publish)
+
         # The rest in order of use: the startup kinds' buckets from the smallest (light traffic runs those),
         # then the other kind's largest (role switching can start), its other buckets, prompt scoring.
         def order(key):
@@ -132,27 +127,26 @@ class ModelPrograms:
             if kind in startup_kinds:
                 return (0, kind != "decode", size)
             return (1 if key in largest else 2, kind != "decode", size)
-        self._rest = {k: functools.partial(job, k) for k in sorted(set(lowered) - set(first), key=order)}
+        self._rest = sorted(set(self._lowerings) - set(first), key=order)
+
+    def _jobs(self, keys) -> dict:
+        return {key: (lambda key=key: self._lowerings[key]().compile()) for key in keys}
 
     def compile_rest(self, workers: int | None = None) -> None:
         """Compile the buckets the constructor left (all but the largest of each kind)."""
-        jobs, self._rest = self._rest, {}
-        if not jobs:
+        keys, self._rest = self._rest, []
+        if not keys:
             return
         t0 = time.perf_counter()
-        compile_all(jobs, self._publish, workers, self._cancelled)
-        log.info("%s: %d more buckets compiled in %.1f s", self.name, len(jobs) - self.pending,
-                 time.perf_counter() - t0)
+        compile_all(self._jobs(keys), self._publish, workers)
+        log.info("%s: %d more buckets compiled in %.1f s", self.name, len(keys), time.perf_counter() - t0)
 
     def take_rest(self) -> list[tuple[Any, Any]]:
         """The buckets left to compile, in order, as (lower() -> Lowered, on_done(executable, seconds)) pairs
-        for compile_pool.compile_behind; compile_rest() then has nothing left."""
-        keys, self._rest = list(self._rest), {}
+        for compile_pool.compile_behind (which a shutting-down engine cancels); compile_rest() then has
+        nothing left."""
+        keys, self._rest = self._rest, []
         return [(self._lowerings[key], functools.partial(self._publish, key)) for key in keys]
-
-    def cancel_compiles(self) -> None:
-        """Skip the buckets compile_rest() has not started (a shutting-down engine never uses them)."""
-        self._cancelled.set()
 
     def _publish(self, key: tuple[str, int], exe, seconds: float) -> None:
         kind, size = key
