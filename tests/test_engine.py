@@ -31,7 +31,7 @@ def all_free(engine) -> bool:
     return all(p.free == p.capacity for p in engine.pools.values()) and not engine.has_unfinished()
 
 
-def programs(engine, name: str = "colocated"):
+def programs(engine, name: str = "mixed"):
     return engine.instance(name).programs
 
 
@@ -376,7 +376,7 @@ def test_abort_frees_pages_at_once():
     req = engine.requests[rid]
     engine.step()
     engine.step()
-    assert engine.pools["colocated"].free < engine.pools["colocated"].capacity
+    assert engine.pools["mixed"].free < engine.pools["mixed"].capacity
     engine.abort(rid)
     assert req.finish_reason == "abort" and all_free(engine)
     assert not engine.has_unfinished()

@@ -207,8 +207,8 @@ def test_server_rejects_a_request_longer_than_the_pool_and_reports_the_cache():
     assert values['ernie_jax:prefix_cache_hits_total{model_name="tiny"}'] >= 32
     assert values['ernie_jax:prefix_cache_queries_total{model_name="tiny"}'] >= 80
     assert 'ernie_jax:num_preemptions_total{model_name="tiny"}' in values
-    assert values['ernie_jax:kv_cache_cached_free_perc{model_name="tiny",pool="colocated"}'] > 0
-    assert values['ernie_jax:kv_cache_usage_perc{model_name="tiny",pool="colocated"}'] == 0  # nothing held
+    assert values['ernie_jax:kv_cache_cached_free_perc{model_name="tiny",pool="mixed"}'] > 0
+    assert values['ernie_jax:kv_cache_usage_perc{model_name="tiny",pool="mixed"}'] == 0  # nothing held
     no_leak(engine)
 
 

@@ -92,9 +92,9 @@ def test_roles_switch_and_outputs_match_colocated_and_static():
     new = {k: v - switches.get(k, 0) for k, v in dynamic.role_switches.items()}
     assert new.get(("decode", "decode", "prefill"), 0) >= 1  # the burst: the decode instance prefilled
     assert new.get(("prefill", "prefill", "decode"), 0) >= 1  # the load: the prefill instance decoded
-    assert ("decode", "decode") in dynamic.placements and ("prefill", "prefill") in dynamic.placements
+    assert ("decode", "decode") in dynamic.pd_requests and ("prefill", "prefill") in dynamic.pd_requests
     # static: everything prefilled on the prefill instance (a 1-token request ends there), decoded on the other
-    assert set(static.placements) <= {("prefill", "decode"), ("prefill", "prefill")} and not static.role_switches
+    assert set(static.pd_requests) <= {("prefill", "decode"), ("prefill", "prefill")} and not static.role_switches
     for e in (dynamic, static, single):
         assert all_free(e)
 

@@ -20,7 +20,7 @@ from ernie_jax.sampling import SamplingParams
 PAGE = 4
 
 
-def make(num_pages: int, *, name="colocated", home="mixed", waiting=None, policy=PDPolicy(), max_num_seqs=4,
+def make(num_pages: int, *, name="mixed", home="mixed", waiting=None, policy=PDPolicy(), max_num_seqs=4,
          budget=16, lookahead=0, max_model_len=64, caching=True, max_bypass=16, spec_stats=None) -> Scheduler:
     pool = PagePool(num_pages + 1, PAGE, enable_caching=caching, salt=b"test")
     kv = KVCacheManager(pool, max_pages=-(-max_model_len // PAGE), lookahead=lookahead)

@@ -19,7 +19,7 @@ def test_every_request_finishes_with_its_output_length_and_no_page_leaks(trace):
         assert all(q.metrics.first_token_time >= q.metrics.arrival_time for q in r.requests)
         assert all(0 <= u <= 1 + 1e-9 for u in r.utilisation.values()) and sum(r.utilisation.values()) > 0
         if mode == "static":
-            assert not r.role_switches and {p for p, _ in r.placements} == {"prefill"}
+            assert not r.role_switches and {p for p, _ in r.pd_requests} == {"prefill"}
         if mode == "dynamic" and trace == "shifting":
             assert r.role_switches
 

@@ -179,7 +179,7 @@ def test_greedy_with_mtp_equals_greedy_without_under_pd(kv):
     llm = LLM(EMBEDDED_MODEL_DIR, **kw, speculative_config=spec(3))
     assert greedy(llm, prompts) == want
     assert llm.engine.spec_stats.num_accepted_tokens > 0
-    assert sum(n for (p, d), n in llm.engine.placements.items() if p != d) > 0  # some moved prefill -> decode
+    assert sum(n for (p, d), n in llm.engine.pd_requests.items() if p != d) > 0  # some moved prefill -> decode
 
 
 def test_server_flag_errors_before_the_model_loads():

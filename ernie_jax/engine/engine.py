@@ -31,14 +31,14 @@ from ernie_jax.engine.page_transfer import PageTransfer
 from ernie_jax.engine.pages import PagePool
 from ernie_jax.engine.programs import ModelPrograms
 from ernie_jax.engine.report import CompileReport, compile_report
-from ernie_jax.engine.request import Request, RequestError, RequestMetrics
+from ernie_jax.engine.request import Request, RequestError, RequestMetrics, validate
 from ernie_jax.engine.runner import ModelRunner
 from ernie_jax.engine.scheduler import Scheduler
 from ernie_jax.engine.shapes import step_shapes, table_pages
 from ernie_jax.engine.stats import EngineStats, snapshot
 from ernie_jax.engine.speculative import SpecDecodeStats
 from ernie_jax.model.ernie import ErnieForCausalLM
-from ernie_jax.sampling import SamplingParams, SamplingParamsError, sampler_seed
+from ernie_jax.sampling import SamplingParams, sampler_seed
 from ernie_jax.tokenizer import IncrementalDetokenizer
 
 __all__ = ["Engine", "Request", "RequestError", "CompileReport"]
@@ -99,12 +99,13 @@ class Engine:
         self._rng = np.random.default_rng(config.load.seed)
         self.moe_layers = [i for i in range(self.cfg.num_hidden_layers) if self.cfg.is_moe_layer(i)]
         self.role_switches: dict[tuple[str, str, str], int] = {}  # (instance, from, to) -> count
-        self.placements: dict[tuple[str, str], int] = {}  # finished requests by (prefilled on, decoded on)
+        self.pd_requests: dict[tuple[str, str], int] = {}  # finished requests by (prefilled on, decoded on)
         self.on_output: Callable[[Request], None] | None = None  # set by start(): token or finish
         self.on_finish: Callable[[Request], None] | None = None  # each finished request, for metrics
         self._threads: list[threading.Thread] = []
         self._wake = threading.Condition(self.lock)
         self._stop = False
+        self._publish()
 
     def _build_instances(self, model, prefill_model, k: int) -> list[Instance]:
         """One instance (colocated) or two (PD): programs, pool, scheduler and runner each."""
@@ -119,7 +120,7 @@ class Engine:
         both = prefill_model is None or self.policy.mode == "dynamic"  # which programs each instance compiles
         placement = self.balancer.placement if self.balancer else None
         salt_dtype, instances = None, []
-        for name, home, m in ([("colocated", "mixed", model)] if prefill_model is None else
+        for name, home, m in ([("mixed", "mixed", model)] if prefill_model is None else
                               [("prefill", "prefill", prefill_model), ("decode", "decode", model)]):
             programs = ModelPrograms(m, name, cache, prefill_buckets=prefills if both or home == "prefill" else [],
                                      decode_buckets=batches if both or home == "decode" else [],
@@ -167,7 +168,7 @@ class Engine:
 
     @property
     def pools(self) -> dict[str, PagePool]:
-        """The KV page pools by instance: {"colocated": pool} or {"prefill": pool, "decode": pool}."""
+        """The KV page pools by instance: {"mixed": pool} or {"prefill": pool, "decode": pool}."""
         return {i.name: i.pool for i in self.instances}
 
     @property
@@ -176,9 +177,13 @@ class Engine:
         return sum(i.runner.expert_tokens for i in self.instances)
 
     def stats(self) -> EngineStats:
-        """An immutable snapshot for metrics (engine/stats.py), consistent with the requests recorded."""
+        """The last stats snapshot the engine published (engine/stats.py): after every step, and whenever a
+        request is queued, aborted or failed; a reader on another thread gets it without the engine's lock."""
+        return self._stats
+
+    def _publish(self) -> None:
         with self.lock:
-            return snapshot(self)
+            self._stats = snapshot(self)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -199,42 +204,10 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Everything add_request needs of a request, checked before anything is queued; raises RequestError
-        naming the field. Nothing a request holds can fail a step once this passed."""
-        if not isinstance(params, SamplingParams):
-            raise RequestError(f"sampling params of type {type(params).__name__}: expected SamplingParams",
-                               param=None)
-        try:
-            params.check()  # again: a caller may have changed a field since construction
-        except SamplingParamsError as e:
-            raise RequestError(str(e).removeprefix("SamplingParams."), param=e.field) from None
-        if not prompt_ids:
-            raise RequestError("the prompt is empty")
-        V = self.cfg.vocab_size
-        bad = [t for t in prompt_ids if not (isinstance(t, (int, np.integer)) and 0 <= t < V)]
-        if bad:
-            raise RequestError(f"prompt token ids outside [0, {V}): {bad[:5]}")
-        if len(prompt_ids) >= self.max_model_len:
-            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len} "
-                               "(and at least one token must be generated)")
-        if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > self.max_model_len:
-            raise RequestError(f"{len(prompt_ids)} prompt tokens + max_tokens {params.max_tokens} exceed "
-                               f"max_model_len {self.max_model_len}", param="max_tokens")
-        if len(prompt_ids) + params.min_tokens > self.max_model_len:
-            raise RequestError(f"{len(prompt_ids)} prompt tokens + min_tokens {params.min_tokens} exceed "
-                               f"max_model_len {self.max_model_len}", param="min_tokens")
-        longest = min(len(prompt_ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
-        for inst in self.instances:
-            if why := inst.scheduler.kv.check_fits(longest):
-                limit = f"max_tokens {params.max_tokens}" if params.max_tokens else f"max_model_len {self.max_model_len}"
-                raise RequestError(f"{len(prompt_ids)} prompt tokens with {limit}: {why} ({inst.name}); lower "
-                                   "max_tokens or give the server more KV pages (--num-gpu-blocks-override, "
-                                   "--gpu-memory-utilization)", param="max_tokens")
-        for name, ids in (("logit_bias", list(params.logit_bias or ())), ("stop_token_ids", params.stop_token_ids)):
-            if bad := [t for t in ids if not 0 <= t < V]:
-                raise RequestError(f"{name} names token ids outside [0, {V}): {bad[:5]}", param=name)
-        if params.stop and self.tokenizer is None:
-            raise RequestError("stop strings need a tokenizer; use stop_token_ids", param="stop")
+        """Everything add_request needs of a request, checked before anything is queued (request.validate);
+        raises RequestError naming the field. Nothing a request holds can fail a step once this passed."""
+        validate(prompt_ids, params, vocab_size=self.cfg.vocab_size, max_model_len=self.max_model_len,
+                 kv_managers={i.name: i.scheduler.kv for i in self.instances}, has_tokenizer=self.tokenizer is not None)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
         """Validate and queue a request (any thread; never waits for a step); returns its id."""
@@ -250,6 +223,7 @@ class Engine:
                 req.text, req.detokenizer = "", IncrementalDetokenizer(self.tokenizer)
             self.requests[request_id] = req
             self.waiting.append(req)
+            self._publish()
             self._wake.notify_all()
         return request_id
 
@@ -270,6 +244,7 @@ class Engine:
             else:
                 self.outputs.finish(req, "abort")
             self._record([req])
+            self._publish()
             if self.on_output is not None:
                 self.on_output(req)
 
@@ -288,7 +263,7 @@ class Engine:
                     self.on_finish(req)
                 if req.prefilled_on is not None:
                     key = (req.prefilled_on, req.decoded_on)
-                    self.placements[key] = self.placements.get(key, 0) + 1
+                    self.pd_requests[key] = self.pd_requests.get(key, 0) + 1
 
     def _took_step(self, inst: Instance, out: StepOutputs) -> list[Request]:
         """Book what an instance step reports; returns the requests it touched."""
@@ -301,6 +276,7 @@ class Engine:
             self.rebalance_experts()
         if out.handed_over:
             self.wake()
+        self._publish()
         return out.touched
 
     def rebalance_experts(self) -> dict:
@@ -339,6 +315,7 @@ class Engine:
         keeps a pool that is intact and rebuilds one that is not); returns them."""
         failed = [r for inst in self.instances for r in inst.recover()[0]]
         self._record(failed)
+        self._publish()
         return failed
 
     def start(self, on_output: Callable[[Request], None], on_error: Callable[[Request, BaseException], None]) -> None:
@@ -386,6 +363,7 @@ class Engine:
                 log.exception("%s: step failed", inst.name)
                 failed, kept = inst.recover()
                 self._record(failed)
+                self._publish()
                 log.error("%s: failed the %d requests of that step; %s", inst.name, len(failed),
                           "its KV pool is intact and keeps its prefix cache" if kept else
                           "its KV pool may be consumed: rebuilt empty, with every request that held pages")

@@ -1,7 +1,8 @@
 """One engine instance: a scheduler and a runner over one (sub)mesh, and the step that drives them.
 
-Colocated serving has one instance ("colocated", home role "mixed"); prefill/decode disaggregation two
-("prefill" and "decode", on disjoint submeshes, each with its own weights). Each steps on its own:
+Colocated serving has one instance, named after its home role "mixed" (FastDeploy's name for a server that
+does both); prefill/decode disaggregation two ("prefill" and "decode", on disjoint submeshes, each with its
+own weights). Each steps on its own:
 `begin()` is the step boundary and the dispatch (the scheduler's calls in its documented order, the
 runner's copies for requests arriving and leaving, then the plan dispatched), `end()` reads the results
 and hands them to the scheduler. Under an AsyncEngine each instance has its own thread; `Engine.step()`

@@ -98,22 +98,25 @@ class ModelPrograms:
         else:
             self._jit = self._verify_jit = build()
         self._score_jit = build(kind="score")
-        self._score: dict[int, Any] = {}  # scoring prefill per chunk length, compiled on first use
-        self._programs: dict[tuple[str, int], Any] = {}
+        # Programs by key (kind, B, T): kind "prefill", "decode" or "score" (a prefill chunk that returns its
+        # prompt logprobs; compiled on first use unless listed in score_buckets), B rows of T tokens (a decode
+        # row's T = 1 + the speculative tokens it verifies).
+        self._programs: dict[tuple[str, int, int], Any] = {}
         self.shapes = ShapeTable()  # the compiled buckets
         extra = lambda B: ((B,),) if self.k else ()  # noqa: E731 -- next_tokens / max_accept
         # Tracing and lowering a program costs about as much as loading it from the compilation cache, so
         # each bucket is lowered by its own compile job, not all of them before the first one compiles.
         lower = functools.partial(functools.partial, self._lower)
-        self._lowerings = {("prefill", (B, T)): lower(self._jit, B, T, extra(B), sampling=True)
+        self._lowerings = {("prefill", B, T): lower(self._jit, B, T, extra(B), sampling=True)
                            for B, T in prefill_buckets}
-        self._lowerings.update({("decode", B): lower(self._verify_jit, B, self.k + 1, extra(B), sampling=True)
-                                for B in decode_buckets})
-        self._lowerings.update({("score", T): lower(self._score_jit, 1, T, extra=((1, T),)) for T in score_buckets})
+        self._lowerings.update({("decode", B, self.k + 1): lower(self._verify_jit, B, self.k + 1, extra(B),
+                                                                   sampling=True) for B in decode_buckets})
+        self._lowerings.update({("score", 1, T): lower(self._score_jit, 1, T, extra=((1, T),))
+                                for T in score_buckets})
         # The largest single-chunk prefill and the largest decode batch serve any request (padded), so those
         # compile first; the rest compile in compile_rest() now, or behind a serving engine (take_rest()).
-        largest = [("prefill", (1, max(T for _, T in prefill_buckets)))] if prefill_buckets else []
-        largest += [("decode", max(decode_buckets))] if decode_buckets else []
+        largest = [("prefill", 1, max(T for _, T in prefill_buckets))] if prefill_buckets else []
+        largest += [("decode", max(decode_buckets), self.k + 1)] if decode_buckets else []
         first = [k for k in largest if k[0] in startup_kinds]
         self.pending = len(self._lowerings)  # buckets not compiled yet
         compile_all(self._jobs(first), self._publish)
@@ -121,12 +124,12 @@ class ModelPrograms:
         # The rest in order of use: the startup kinds' buckets from the smallest (light traffic runs those),
         # then the other kind's largest (role switching can start), its other buckets, prompt scoring.
         def order(key):
-            kind, size = key
+            kind, B, T = key
             if kind == "score":
-                return (3, 0, size)
+                return (3, 0, (B, T))
             if kind in startup_kinds:
-                return (0, kind != "decode", size)
-            return (1 if key in largest else 2, kind != "decode", size)
+                return (0, kind != "decode", (B, T))
+            return (1 if key in largest else 2, kind != "decode", (B, T))
         self._rest = sorted(set(self._lowerings) - set(first), key=order)
 
     def _jobs(self, keys) -> dict:
@@ -148,17 +151,15 @@ class ModelPrograms:
         keys, self._rest = self._rest, []
         return [(self._lowerings[key], functools.partial(self._publish, key)) for key in keys]
 
-    def _publish(self, key: tuple[str, int], exe, seconds: float) -> None:
-        kind, size = key
-        if kind == "score":
-            self._score[size] = exe
-            self.pending -= 1
-            self.report.append((f"{self.name} prefill+prompt_logprobs", size, seconds))
-            return
-        self._programs[key] = exe
-        self.shapes.add(kind, size)
+    def _publish(self, key: tuple[str, int, int], exe, seconds: float) -> None:
+        kind, B, T = key
         self.pending -= 1
-        label = size if kind == "decode" else size[1] if size[0] == 1 else f"{size[0]}x{size[1]}"
+        self._programs[key] = exe
+        if kind == "score":
+            self.report.append((f"{self.name} prefill+prompt_logprobs", T, seconds))
+            return
+        self.shapes.add(kind, (B, T) if kind == "prefill" else B)
+        label = B if kind == "decode" else T if B == 1 else f"{B}x{T}"
         self.report.append((f"{self.name} {kind}", label, seconds))
 
     @property
@@ -167,7 +168,7 @@ class ModelPrograms:
         return self.shapes.ready
 
     def executables(self, kind: str) -> list:
-        return [exe for (k, _), exe in self._programs.items() if k == kind]
+        return [exe for (k, _, _), exe in self._programs.items() if k == kind]
 
     def _lower(self, jitted, B: int, T: int, extra: tuple = (), sampling: bool = False):
         return lower_step(jitted, *self._abstract, self.replicated, B, T, self.max_pages, extra, sampling)
@@ -202,8 +203,7 @@ class ModelPrograms:
         """One prefill chunk or decode step, sampling the logits with `arrays` (Engine._sampling_arrays) as
         _step does; returns (logits, expert token counts, sampled), all on device, and with speculative
         decoding the drafts [B,k] too. extra [B]: the speculative programs' next_tokens / max_accept."""
-        B, T = ids.shape
-        fn = self._programs[kind, (B, T) if kind == "prefill" else B]
+        fn = self._programs[(kind, *ids.shape)]
         sampling = tuple(arrays[name] for name in SAMPLING_ARGS)
         extra = () if extra is None else (extra,)
         ids, positions, logit_positions, block_tables, extra, sampling = self.put(
@@ -216,15 +216,16 @@ class ModelPrograms:
         """A prefill chunk that also returns prompt logprobs: (logits, counts, (target_lp [1,T],
         top ids [1,T,MAX_LOGPROBS], top logprobs)). The program for a chunk length compiles on first use."""
         T = ids.shape[1]
-        if T not in self._score:
+        key = ("score", 1, T)
+        if key not in self._programs:
             log.info("%s: compiling the prompt-scoring prefill for %d tokens on first use", self.name, T)
             t0 = time.perf_counter()
-            self._score[T] = self._lower(self._score_jit, 1, T, extra=((1, T),)).compile()
+            self._programs[key] = self._lower(self._score_jit, 1, T, extra=((1, T),)).compile()
             self.report.append((f"{self.name} prefill+prompt_logprobs", T, time.perf_counter() - t0))
         ids, positions, logit_positions, block_tables, targets = self.put(
             (ids, positions, logit_positions, block_tables, targets))
-        logits, self.cache, counts, scores = self._score[T](self.weights, ids, positions, self.cache,
-                                                            logit_positions, block_tables, targets)
+        logits, self.cache, counts, scores = self._programs[key](self.weights, ids, positions, self.cache,
+                                                                 logit_positions, block_tables, targets)
         return logits, counts, scores
 
     @staticmethod

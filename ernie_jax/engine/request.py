@@ -6,7 +6,9 @@ import dataclasses
 import enum
 from typing import Any
 
-from ernie_jax.sampling import SamplingParams
+import numpy as np
+
+from ernie_jax.sampling import SamplingParams, SamplingParamsError
 
 
 class RequestError(ValueError):
@@ -16,6 +18,46 @@ class RequestError(ValueError):
     def __init__(self, message: str, param: str | None = "prompt"):
         super().__init__(message)
         self.param = param
+
+
+def validate(prompt_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
+             kv_managers: dict, has_tokenizer: bool) -> None:
+    """Whether an engine can serve this request, checked before anything is queued; raises RequestError naming
+    the field. kv_managers: each instance's KV cache manager by name (the request must fit every pool it
+    may run in)."""
+    if not isinstance(params, SamplingParams):
+        raise RequestError(f"sampling params of type {type(params).__name__}: expected SamplingParams",
+                           param=None)
+    try:
+        params.check()  # again: a caller may have changed a field since construction
+    except SamplingParamsError as e:
+        raise RequestError(str(e).removeprefix("SamplingParams."), param=e.field) from None
+    if not prompt_ids:
+        raise RequestError("the prompt is empty")
+    V = vocab_size
+    if bad := [t for t in prompt_ids if not (isinstance(t, (int, np.integer)) and 0 <= t < V)]:
+        raise RequestError(f"prompt token ids outside [0, {V}): {bad[:5]}")
+    if len(prompt_ids) >= max_model_len:
+        raise RequestError(f"the prompt has {len(prompt_ids)} tokens; max_model_len is {max_model_len} "
+                           "(and at least one token must be generated)")
+    if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > max_model_len:
+        raise RequestError(f"{len(prompt_ids)} prompt tokens + max_tokens {params.max_tokens} exceed "
+                           f"max_model_len {max_model_len}", param="max_tokens")
+    if len(prompt_ids) + params.min_tokens > max_model_len:
+        raise RequestError(f"{len(prompt_ids)} prompt tokens + min_tokens {params.min_tokens} exceed "
+                           f"max_model_len {max_model_len}", param="min_tokens")
+    longest = min(len(prompt_ids) + (params.max_tokens or max_model_len), max_model_len)
+    for name, kv in kv_managers.items():
+        if why := kv.check_fits(longest):
+            limit = f"max_tokens {params.max_tokens}" if params.max_tokens else f"max_model_len {max_model_len}"
+            raise RequestError(f"{len(prompt_ids)} prompt tokens with {limit}: {why} ({name}); lower "
+                               "max_tokens or give the server more KV pages (--num-gpu-blocks-override, "
+                               "--gpu-memory-utilization)", param="max_tokens")
+    for field, ids in (("logit_bias", list(params.logit_bias or ())), ("stop_token_ids", params.stop_token_ids)):
+        if bad := [t for t in ids if not 0 <= t < V]:
+            raise RequestError(f"{field} names token ids outside [0, {V}): {bad[:5]}", param=field)
+    if params.stop and not has_tokenizer:
+        raise RequestError("stop strings need a tokenizer; use stop_token_ids", param="stop")
 
 
 class RequestStatus(enum.Enum):

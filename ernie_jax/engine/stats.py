@@ -1,6 +1,7 @@
-"""`EngineStats`: an immutable snapshot of an engine's state for metrics and health, taken under the engine's
-lock, so a reader on another thread (the server's /metrics) never sees a half-applied step: a request
-counts as running until the engine has recorded its end (counted it, forgotten it)."""
+"""`EngineStats`: an immutable snapshot of an engine's state for metrics and health. The engine takes one under
+its lock after every step and whenever a request is queued, aborted or failed, and publishes it whole, so a
+reader on another thread (the server's /metrics) never sees a half-applied step and never takes the lock: a
+request counts as running until the engine has recorded its end (counted it, forgotten it)."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def snapshot(engine) -> EngineStats:
                        {i.name: dict(i.runner.busy_seconds) for i in insts},
                        {i.name: dict(i.runner.steps) for i in insts},
                        sum(i.runner.expert_tokens for i in insts).copy(), list(engine.moe_layers),
-                       engine.compile_report.ops, dict(engine.role_switches), dict(engine.placements),
+                       engine.compile_report.ops, dict(engine.role_switches), dict(engine.pd_requests),
                        (transfer.seconds, transfer.bytes) if transfer is not None else None,
                        engine.spec_stats.report() if engine.speculative else None,
                        {"balancedness": list(balancer.current_balancedness()), "rebalances": balancer.rebalances}

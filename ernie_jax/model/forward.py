@@ -20,7 +20,7 @@ from ernie_jax.model.layers import attention, linear, moe, paged_attention, rms_
 from ernie_jax.ops.execution import REFERENCE, ExecutionConfig
 from ernie_jax.ops.layer_loop import run_layers
 from ernie_jax.sharding.fused import fused_groups, fused_parts, split_fused
-from ernie_jax.sharding.rules import HIDDEN, KV_HEADS, Q_HEADS, ShardingPlan
+from ernie_jax.sharding.rules import HIDDEN, KV_HEADS, Q_HEADS, ShardingPlan, constrain
 
 
 class ForwardOutput(NamedTuple):
@@ -28,12 +28,6 @@ class ForwardOutput(NamedTuple):
     hidden: jax.Array  # [B,T,H] final-normed hidden states (what FastDeploy feeds the MTP block)
     cache: kvc.KVCache | None
     expert_ids: tuple[jax.Array, ...]  # per MoE segment [L, B*T, k]
-
-
-def _constrain(x, plan, logical):
-    if plan is None:
-        return x
-    return lax.with_sharding_constraint(x, plan.activation(logical, x.shape))
 
 
 def rope_cache(cfg: ErnieConfig, max_len: int) -> jax.Array:
@@ -67,7 +61,7 @@ def attention_block(x, w, cfg: ErnieConfig, positions, seg_cache=None, layer=Non
     q = rope(q.reshape(B, T, cfg.num_attention_heads, cfg.head_dim), rotary)
     k = rope(k.reshape(B, T, cfg.num_key_value_heads, cfg.head_dim), rotary)
     v = v.reshape(B, T, cfg.num_key_value_heads, cfg.head_dim)
-    q, k, v = _constrain(q, plan, Q_HEADS), _constrain(k, plan, KV_HEADS), _constrain(v, plan, KV_HEADS)
+    q, k, v = constrain(q, plan, Q_HEADS), constrain(k, plan, KV_HEADS), constrain(v, plan, KV_HEADS)
     if seg_cache is None:
         out = attention(q, k, v, positions, positions)
     else:
@@ -75,7 +69,7 @@ def attention_block(x, w, cfg: ErnieConfig, positions, seg_cache=None, layer=Non
         pool, tables = kvc.layer_pages(seg_cache, layer, block_tables)  # read in place, not sliced out
         scale = pool if "k_scale" in seg_cache else (lambda n: None)
         out = paged_attention(q, pool("k"), pool("v"), scale("k_scale"), scale("v_scale"), tables, positions, ex,
-                              plan, constrain=lambda x: _constrain(x, plan, KV_HEADS))
+                              plan, constrain=lambda x: constrain(x, plan, KV_HEADS))
     return linear(out, w["o"], ex, plan, "o"), seg_cache
 
 
@@ -93,7 +87,7 @@ def decoder_layer(h, w, kind: str, cfg: ErnieConfig, positions, seg_cache=None, 
     else:
         with jax.named_scope("moe"):
             y, ids = moe(x, w, cfg, ex, plan, batch_invariant)
-    return _constrain(h + y, plan, HIDDEN), seg_cache, ids
+    return constrain(h + y, plan, HIDDEN), seg_cache, ids
 
 
 def _segment_layer(carry, w, layer, positions, rotary, block_tables, *, kind, cfg, plan, batch_invariant, ex):
@@ -130,7 +124,7 @@ def forward(weights: dict[str, Any], cfg: ErnieConfig, input_ids: jax.Array, pos
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     if cache is not None and block_tables is None:
         block_tables = kvc.identity_block_tables(B)
-    h = _constrain(weights["embed"][input_ids], plan, HIDDEN)
+    h = constrain(weights["embed"][input_ids], plan, HIDDEN)
     rotary = rotary_table(cfg, positions, weights.get("rope_cache"))
     new_segments, expert_ids = [], []
     for s, seg in enumerate(cfg.layer_segments()):

@@ -4,8 +4,9 @@ Every function takes arrays (and the static config) and returns arrays, so the s
 under jit, and inside shard_map. The numerics follow docs/model.md §2: fp32 norm statistics,
 interleaved (GPT-J style) RoPE computed in fp32, fp32 attention softmax, an fp32 router whose correction
 bias only steers selection, renormalised top-k weights and a dropless expert computation. How each op is
-computed (kernels, XLA:CPU forms) is the execution config's choice (`ex`, ops/execution.py); `plan` is the
-ShardingPlan when the arrays are GSPMD-sharded.
+computed (kernels, XLA:CPU forms) is the execution config's choice (`ex`, ops/execution.py); `plan` is how the
+arrays are placed (a ShardingPlan over a mesh, or None on one device), and the sharding/ functions the ops go
+through decide how an op runs on that placement, so the math here has one path.
 Glossary: B batch, T tokens, S key slots, H hidden, N query heads, K KV heads, R = N/K, D head dim,
 E experts, F FFN width, k experts per token.
 """
@@ -19,27 +20,18 @@ from jax import lax
 from ernie_jax.config import ErnieConfig
 from ernie_jax.ops import dense
 from ernie_jax.ops.execution import REFERENCE, ExecutionConfig
-from ernie_jax.ops.paged_attention import paged_attention as paged_attention_op
-from ernie_jax.ops.routed_experts import route, routed_experts, to_slots
-from ernie_jax.quant import BlockFP8
-from ernie_jax.sharding.attention import paged_attention_sharded
-from ernie_jax.sharding.expert_parallel import moe_ep
+from ernie_jax.sharding.attention import placed_paged_attention
+from ernie_jax.sharding.expert_parallel import routed_moe
 from ernie_jax.sharding.fused import fused_groups, fused_parts, split_fused
-from ernie_jax.sharding.linear import fp8_linear_sharded
+from ernie_jax.sharding.linear import placed_linear
 
 _NEG_INF = -1e30
 
 
 def linear(x: jax.Array, w, ex: ExecutionConfig = REFERENCE, plan=None, leaf: str | None = None) -> jax.Array:
-    """y = x @ w with w in the Paddle [in, out] orientation (ops/dense.py). Under a plan, `leaf` (the
-    weights-pytree name) says how w is split, so a block-FP8 kernel can run per device on its shard."""
-    if plan is None:
-        return dense.linear(x, w, ex.matmuls)
-    if leaf is not None and isinstance(w, BlockFP8) and w.compute == "w8a8" and ex.uses_kernel("block_fp8_matmul"):
-        y = fp8_linear_sharded(x, w, plan, leaf, ex.matmuls)
-        if y is not None:
-            return y
-    return dense.linear(x, w)  # the XLA reference, which GSPMD partitions
+    """y = x @ w with w in the Paddle [in, out] orientation, run as the weights are placed (sharding/linear.py;
+    `leaf`, the weights-pytree name, says how w is split)."""
+    return placed_linear(x, w, ex, plan, leaf)
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -84,21 +76,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos:
 
 def paged_attention(q, k_pool, v_pool, k_scale, v_scale, tables, positions, ex: ExecutionConfig = REFERENCE,
                     plan=None, constrain=lambda x: x) -> jax.Array:
-    """`attention` over a paged KV cache (ops/paged_attention): q [B,T,N,D] at positions [B,T] -> [B,T,N*D].
-    Under a mesh a kernel (or XLA:CPU's form) runs per device over its KV heads where the layout allows
-    (sharding/attention.py); the XLA form otherwise reads
-    the whole table in one block, with `constrain` pinning the gathered slots to the cache's head layout:
-    a loop over blocks would gather pages from the other devices on every iteration and make XLA copy the
-    pool around the loop (benchmarks/RESULTS.md, "CPU measurements behind design choices")."""
-    args = (q, k_pool, v_pool, k_scale, v_scale, tables, positions)
-    if plan is None:
-        return paged_attention_op(*args, implementation=ex.paged_attention, block_slots=ex.attention_block_slots,
-                                  platform=ex.platform)
-    if ex.paged_attention != "xla":
-        out = paged_attention_sharded(*args, plan, ex.paged_attention, ex.platform)
-        if out is not None:
-            return out
-    return paged_attention_op(*args, implementation="xla", block_slots=None, constrain=constrain)
+    """`attention` over a paged KV cache (ops/paged_attention): q [B,T,N,D] at positions [B,T] -> [B,T,N*D], run as
+    the pool is placed (sharding/attention.py); `constrain` pins gathered slots to the cache's head layout."""
+    return placed_paged_attention(q, k_pool, v_pool, k_scale, v_scale, tables, positions, ex, plan, constrain)
 
 
 def swiglu(x: jax.Array, up_gate, down, ex: ExecutionConfig = REFERENCE, plan=None) -> jax.Array:
@@ -113,33 +93,15 @@ def swiglu(x: jax.Array, up_gate, down, ex: ExecutionConfig = REFERENCE, plan=No
 
 def moe(x: jax.Array, w: dict, cfg: ErnieConfig, ex: ExecutionConfig = REFERENCE, plan=None,
         batch_invariant: bool = False) -> tuple[jax.Array, jax.Array]:
-    """Dropless MoE block: every (token, expert) assignment is computed, none is capped or dropped; under a
-    plan the routed experts run expert-parallel (sharding/expert_parallel.py).
+    """Dropless MoE block: every (token, expert) assignment is computed, none is capped or dropped; the shared
+    experts' output is summed with the routed experts' (run as the experts are placed:
+    sharding/expert_parallel.py).
 
     x [B,T,H] -> (y [B,T,H], expert ids [B*T,k])
     """
-    x2 = x.reshape(-1, x.shape[-1])
-    shared = shared_experts(x2, w, ex, plan)
-    if plan is None:
-        with jax.named_scope("router"):
-            weights, ids = route(x2, w["router"], w["router_bias"], cfg.moe_k, cfg.moe_norm_min)
-        slots, num_slots = expert_slots(ids, w, cfg)
-        y = routed_experts(x2, weights, slots, w["experts_up_gate"], w["experts_down"], num_slots,
-                           batch_invariant=batch_invariant, implementation=ex.routed_experts,
-                           opts=ex.expert_options)
-        y = y + shared
-    else:  # the shared experts' output is summed with the routed experts' (sharding/expert_parallel.py)
-        y, ids = moe_ep(x, w, cfg, plan, ex, batch_invariant, None if isinstance(shared, int) else shared)
+    shared = shared_experts(x.reshape(-1, x.shape[-1]), w, ex, plan)
+    y, ids = routed_moe(x, w, cfg, plan, ex, batch_invariant, None if isinstance(shared, int) else shared)
     return y.reshape(x.shape), ids
-
-
-def expert_slots(ids: jax.Array, w: dict, cfg: ErnieConfig) -> tuple[jax.Array, int]:
-    """The physical expert slots the routed assignments ids [T,k] go to, and how many slots there are: the
-    experts themselves, or with redundant experts (EPLB, sharding/eplb.py) one replica of each."""
-    if "expert_slots" not in w:
-        return ids, cfg.moe_num_experts
-    E, M = w["expert_slots"].shape  # M = 1 + R
-    return to_slots(ids, w["expert_slots"], w["expert_replicas"]), E + M - 1
 
 
 def shared_experts(x: jax.Array, w: dict, ex: ExecutionConfig = REFERENCE, plan=None) -> jax.Array | int:

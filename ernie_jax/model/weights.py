@@ -173,10 +173,10 @@ def cpu_layout(weights: dict[str, Any], expert_groups: int = 1) -> dict[str, Any
     and keep the scan.
 
     expert_groups > 1 (unsharded bf16/f32 routed experts; a divisor of E): each layer's [E, ...] expert
-    leaves also become a tuple of that many [E/groups, ...] stacks (layers.routed_experts takes either
+    leaves also become a tuple of that many [E/groups, ...] stacks (ops.routed_experts takes either
     form). XLA:CPU runs the groups' batched matmuls side by side, one per core, where one batched matmul
-    over all experts splits each small matmul across the cores: on 2 cores, 2 groups made the bench-512
-    decode step 0.94x as long (4 groups: 0.99x).
+    over all experts splits each small matmul across the cores (benchmarks/RESULTS.md, "CPU measurements
+    behind design choices").
 
     Block-FP8 values are held as f32 (exactly: every e4m3 value is an f32): XLA:CPU has no FP8 arithmetic,
     so an FP8 operand is converted to f32 inside every matmul, i.e. every weight at every step; converted

@@ -17,7 +17,27 @@ from jax.sharding import PartitionSpec as P
 
 from ernie_jax.ops import paged_attention as attention_op
 from ernie_jax.ops.base import Platform, note_fallback
+from ernie_jax.ops.execution import ExecutionConfig
 from ernie_jax.sharding.rules import ShardingPlan
+
+
+def placed_paged_attention(q, k_pool, v_pool, k_scale, v_scale, tables, positions, ex: ExecutionConfig,
+                           plan: ShardingPlan | None, constrain=lambda x: x) -> jax.Array:
+    """Paged attention q [B,T,N,D] -> [B,T,N*D] as the pool is placed: on one device (plan None) the execution
+    config's implementation; under a mesh a kernel (or XLA:CPU's form) per device over its KV heads where the
+    layout allows, else the XLA form over the whole table in one block, with `constrain` pinning the gathered
+    slots to the cache's head layout: a loop over blocks would gather pages from the other devices on every
+    iteration and make XLA copy the pool around the loop (benchmarks/RESULTS.md, "CPU measurements behind
+    design choices")."""
+    args = (q, k_pool, v_pool, k_scale, v_scale, tables, positions)
+    if plan is None:
+        return attention_op.paged_attention(*args, implementation=ex.paged_attention,
+                                            block_slots=ex.attention_block_slots, platform=ex.platform)
+    if ex.paged_attention != "xla":
+        out = paged_attention_sharded(*args, plan, ex.paged_attention, ex.platform)
+        if out is not None:
+            return out
+    return attention_op.paged_attention(*args, implementation="xla", block_slots=None, constrain=constrain)
 
 
 def paged_attention_sharded(q, k_pages, v_pages, k_scale, v_scale, block_tables, positions, plan: ShardingPlan,

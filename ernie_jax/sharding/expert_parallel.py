@@ -27,6 +27,31 @@ from ernie_jax.ops.routed_experts import grouped_swiglu, route, routed_experts, 
 from ernie_jax.sharding.collectives import axis_linear_index, ragged_all_to_all
 from ernie_jax.sharding.rules import ShardingError, ShardingPlan
 
+
+def routed_moe(x: jax.Array, w: dict, cfg: ErnieConfig, plan: ShardingPlan | None, ex: ExecutionConfig,
+               batch_invariant: bool = False, shared: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """The routed experts of x [B,T,H] plus `shared` ([B*T,H], the shared experts' output, or None) as the
+    experts are placed: on one device (plan None) every expert runs locally; under a mesh expert-parallel
+    (moe_ep). -> (y [B,T,H] or [B*T,H], expert ids [B*T,k])."""
+    if plan is not None:
+        return moe_ep(x, w, cfg, plan, ex, batch_invariant, shared)
+    x2 = x.reshape(-1, x.shape[-1])
+    with jax.named_scope("router"):
+        weights, ids = route(x2, w["router"], w["router_bias"], cfg.moe_k, cfg.moe_norm_min)
+    slots, num_slots = expert_slots(ids, w, cfg)
+    y = routed_experts(x2, weights, slots, w["experts_up_gate"], w["experts_down"], num_slots,
+                       batch_invariant=batch_invariant, implementation=ex.routed_experts, opts=ex.expert_options)
+    return (y if shared is None else y + shared), ids
+
+
+def expert_slots(ids: jax.Array, w: dict, cfg: ErnieConfig) -> tuple[jax.Array, int]:
+    """The physical expert slots the routed assignments ids [T,k] go to, and how many slots there are: the
+    experts themselves, or with redundant experts (EPLB, sharding/eplb.py) one replica of each."""
+    if "expert_slots" not in w:
+        return ids, cfg.moe_num_experts
+    E, M = w["expert_slots"].shape  # M = 1 + R
+    return to_slots(ids, w["expert_slots"], w["expert_replicas"]), E + M - 1
+
 def _my_rows(a: jax.Array, axes: tuple[str, ...], plan: ShardingPlan) -> jax.Array:
     """This device's block of the leading axis of a, split over `axes` (the inverse of a tiled all_gather)."""
     rows = a.shape[0] // plan.size_of(axes)

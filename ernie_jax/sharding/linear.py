@@ -15,8 +15,10 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from ernie_jax.ops.base import note_fallback
+from ernie_jax.ops import dense
 from ernie_jax.ops.block_fp8_matmul import block_fp8_matmul
 from ernie_jax.ops.dense import Matmuls
+from ernie_jax.ops.execution import ExecutionConfig
 from ernie_jax.quant import BlockFP8
 from ernie_jax.sharding.rules import LEAF_AXES, ShardingPlan
 
@@ -25,6 +27,19 @@ BLOCK = 128
 
 def _axes(entry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def placed_linear(x: jax.Array, w, ex: ExecutionConfig, plan: ShardingPlan | None, leaf: str | None) -> jax.Array:
+    """x @ w as w is placed: on one device (plan None) through the execution config's matmuls; under a mesh a
+    block-FP8 kernel per device on its shard where the layout allows, else the XLA reference, which GSPMD
+    partitions (a kernel would not be)."""
+    if plan is None:
+        return dense.linear(x, w, ex.matmuls)
+    if leaf is not None and isinstance(w, BlockFP8) and w.compute == "w8a8" and ex.uses_kernel("block_fp8_matmul"):
+        y = fp8_linear_sharded(x, w, plan, leaf, ex.matmuls)
+        if y is not None:
+            return y
+    return dense.linear(x, w)
 
 
 def fp8_linear_sharded(x: jax.Array, w: BlockFP8, plan: ShardingPlan, leaf: str, mm: Matmuls) -> jax.Array | None:

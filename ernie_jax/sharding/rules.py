@@ -163,3 +163,9 @@ def _leaf_name(path) -> str:
             return str(entry.key)
     raise ShardingError(f"no logical axes known for weight {jax.tree_util.keystr(path)}")
 
+
+
+def constrain(x: jax.Array, plan: ShardingPlan | None, logical: tuple) -> jax.Array:
+    """x pinned to the plan's layout for its logical axes (`logical`, e.g. HIDDEN); on one device (plan None)
+    x as it is."""
+    return x if plan is None else jax.lax.with_sharding_constraint(x, plan.activation(logical, x.shape))

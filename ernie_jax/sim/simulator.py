@@ -123,7 +123,7 @@ class SimResult:
     duration: float  # first arrival to last finish
     utilisation: dict[str, float]  # instance -> busy fraction of the duration
     role_switches: dict
-    placements: dict
+    pd_requests: dict  # finished requests by (prefilled on, decoded on)
 
     def ttft(self) -> np.ndarray:
         return np.asarray([r.metrics.ttft for r in self.requests])
@@ -146,7 +146,7 @@ def simulate(trace: list[TraceRequest], cost: CostModel, cfg: SimConfig, policy:
     waiting: list[Request] = []
     outputs = OutputProcessor(max_model_len=cfg.max_model_len, clock=now)
     if cfg.mode == "colocated":
-        insts = [_instance("colocated", "mixed", cfg.devices, cfg, cost, PDPolicy(), waiting, outputs, now)]
+        insts = [_instance("mixed", "mixed", cfg.devices, cfg, cost, PDPolicy(), waiting, outputs, now)]
     else:
         policy = policy or PDPolicy(cfg.mode)
         n_p, n_d = cfg.prefill_devices, cfg.devices - cfg.prefill_devices
@@ -165,7 +165,7 @@ def simulate(trace: list[TraceRequest], cost: CostModel, cfg: SimConfig, policy:
     heapq.heapify(events)
     stepping: dict[str, _Running] = {}
     role_switches: dict[tuple[str, str, str], int] = {}
-    placements: dict[tuple[str, str], int] = {}
+    pd_requests: dict[tuple[str, str], int] = {}
 
     def start(inst: Instance) -> None:
         if inst.name in stepping or inst.idle():
@@ -206,7 +206,7 @@ def simulate(trace: list[TraceRequest], cost: CostModel, cfg: SimConfig, policy:
             for req in out.touched:
                 if req.finished:
                     key = (req.prefilled_on, req.decoded_on)
-                    placements[key] = placements.get(key, 0) + 1
+                    pd_requests[key] = pd_requests.get(key, 0) + 1
         for inst in insts:
             start(inst)
         reschedule()
@@ -216,4 +216,4 @@ def simulate(trace: list[TraceRequest], cost: CostModel, cfg: SimConfig, policy:
     t0 = min(r.metrics.arrival_time for r in reqs)
     duration = max(r.metrics.finished_time for r in reqs) - t0
     return SimResult(cfg, reqs, duration, {i.name: i.runner.busy / duration for i in insts}, role_switches,
-                     placements)
+                     pd_requests)
