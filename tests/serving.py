@@ -26,34 +26,53 @@ def _free_port() -> int:
 def running_server(args: list[str], timeout: float = 600):
     """A server on a free loopback port with `args` (plus --api-key KEY and the tests' compilation cache),
     up and healthy; yields {"url", "proc", "log"} and kills it on the way out if it still runs."""
+    with running_servers([args], timeout) as servers:
+        yield servers[0]
+
+
+def launch(module: str, args: list[str]) -> dict:
+    """`python -m module --port P ... args` on a free loopback port, started (not waited for): {"url", "proc",
+    "log"}. A server module gets --api-key KEY and the tests' compilation cache."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the server sets up its own devices
     env["JAX_PLATFORMS"] = "cpu"
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     cache = os.path.join(tempfile.gettempdir(), "ernie_jax_test_xla_cache")
-    proc = subprocess.Popen([sys.executable, "-m", "ernie_jax.serve", "--port", str(port), "--api-key", KEY,
-                             "--compilation-cache-dir", cache, *args],
+    extra = ["--api-key", KEY, "--compilation-cache-dir", cache] if module == "ernie_jax.serve" else []
+    proc = subprocess.Popen([sys.executable, "-m", module, "--port", str(port), *extra, *args],
                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + timeout
+    return {"url": f"http://127.0.0.1:{port}", "proc": proc, "log": log.name}
+
+
+def wait_healthy(server: dict, deadline: float) -> None:
     while time.time() < deadline:
-        if proc.poll() is not None:
-            log.seek(0)
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read()}")
+        if server["proc"].poll() is not None:
+            with open(server["log"]) as f:
+                raise RuntimeError(f"server exited with {server['proc'].returncode}:\n{f.read()}")
         try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
+            if httpx.get(server["url"] + "/health", timeout=1).status_code == 200:
+                return
         except httpx.HTTPError:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        raise RuntimeError(f"server did not come up in {timeout:.0f} s")
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"server {server['url']} did not come up in time")
+
+
+@contextlib.contextmanager
+def running_servers(arg_lists: list[list[str]], timeout: float = 600, module: str = "ernie_jax.serve"):
+    """Several servers started together (they compile side by side), each up and healthy; yields their
+    dicts (see launch) and kills those still running on the way out."""
+    servers = [launch(module, args) for args in arg_lists]
     try:
-        yield {"url": url, "proc": proc, "log": log.name}
+        deadline = time.time() + timeout
+        for s in servers:
+            wait_healthy(s, deadline)
+        yield servers
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        for s in servers:
+            if s["proc"].poll() is None:
+                s["proc"].kill()
+                s["proc"].wait()
 
 
 def server_state(server) -> str:

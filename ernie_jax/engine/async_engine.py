@@ -41,15 +41,16 @@ class AsyncEngine:
         engine.start(self._notify, self._fail)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    prompt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Validates and queues now (raises RequestError); the caller never waits for a step."""
+                    prompt: str | None = None, **pd) -> AsyncIterator[RequestOutput]:
+        """Validates and queues now (raises RequestError); the caller never waits for a step. pd: Engine's
+        export_kv / prefilled (prefill/decode across servers)."""
         loop = asyncio.get_running_loop()
         request_id = request_id or f"async-{next(self._ids)}"
         stream: asyncio.Queue = asyncio.Queue()
         if self._streams.setdefault(request_id, (loop, stream, prompt))[1] is not stream:
             raise RequestError(f"request id {request_id!r} is already in use")
         try:
-            self.engine.add_request(prompt_ids, params, request_id=request_id)
+            self.engine.add_request(prompt_ids, params, request_id=request_id, **pd)
         except BaseException:
             self._streams.pop(request_id, None)
             raise

@@ -30,8 +30,9 @@ class EngineClient(Protocol):
         """Raise RequestError (naming the field) for a request the engine cannot serve; queues nothing."""
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    prompt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Validate and queue a request now; its outputs stream as they come, the last one finished."""
+                    prompt: str | None = None, **pd) -> AsyncIterator[RequestOutput]:
+        """Validate and queue a request now; its outputs stream as they come, the last one finished.
+        pd: export_kv / prefilled, for prefill and decode on different servers (Engine.add_request)."""
 
     def abort(self, request_id: str) -> None:
         """Finish a request as aborted and free what it holds (a no-op for an unknown or finished one)."""

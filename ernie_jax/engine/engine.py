@@ -31,12 +31,13 @@ from ernie_jax.engine.page_transfer import PageTransfer
 from ernie_jax.engine.pages import PagePool
 from ernie_jax.engine.programs import ModelPrograms
 from ernie_jax.engine.report import CompileReport, compile_report
-from ernie_jax.engine.request import Request, RequestError, RequestMetrics, validate
+from ernie_jax.engine.request import Request, RequestError, RequestMetrics, RequestStatus, validate
 from ernie_jax.engine.runner import ModelRunner
 from ernie_jax.engine.scheduler import Scheduler
 from ernie_jax.engine.shapes import step_shapes, table_pages
 from ernie_jax.engine.stats import EngineStats, snapshot
 from ernie_jax.engine.speculative import SpecDecodeStats
+from ernie_jax.engine.step import Handoff, Prefilled
 from ernie_jax.model.ernie import ErnieForCausalLM
 from ernie_jax.sampling import SamplingParams, sampler_seed
 from ernie_jax.tokenizer import IncrementalDetokenizer
@@ -163,10 +164,6 @@ class Engine:
         return [r for i in self.instances for r in i.running]
 
     @property
-    def num_handing_over(self) -> int:
-        return sum(len(i.inbox) for i in self.instances)
-
-    @property
     def pools(self) -> dict[str, PagePool]:
         """The KV page pools by instance: {"mixed": pool} or {"prefill": pool, "decode": pool}."""
         return {i.name: i.pool for i in self.instances}
@@ -209,8 +206,13 @@ class Engine:
         validate(prompt_ids, params, vocab_size=self.cfg.vocab_size, max_model_len=self.max_model_len,
                  kv_managers={i.name: i.scheduler.kv for i in self.instances}, has_tokenizer=self.tokenizer is not None)
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
-        """Validate and queue a request (any thread; never waits for a step); returns its id."""
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, *,
+                    export_kv: bool = False, prefilled: Prefilled | None = None) -> str:
+        """Validate and queue a request (any thread; never waits for a step); returns its id.
+        export_kv: another server decodes it; once prefilled, its prompt's KV is kept for that server's pull
+        (engine/kv_connector.py). prefilled: another server prefilled it: its first token, and its prompt's KV
+        pulled from there (handed over to this engine's decode instance) or None (the prompt is recomputed
+        here). The first token may already finish it."""
         prompt_ids = [int(t) for t in prompt_ids]
         self.validate(prompt_ids, params)
         with self.lock:
@@ -218,14 +220,34 @@ class Engine:
             if request_id in self.requests:
                 raise RequestError(f"request id {request_id!r} is already in use")
             seed = sampler_seed(params.seed) if params.seed is not None else int(self._rng.integers(2**31))
-            req = Request(request_id, prompt_ids, params, seed, RequestMetrics(time.perf_counter()))
+            req = Request(request_id, prompt_ids, params, seed, RequestMetrics(time.perf_counter()), export_kv=export_kv)
             if self.tokenizer is not None:
                 req.text, req.detokenizer = "", IncrementalDetokenizer(self.tokenizer)
             self.requests[request_id] = req
-            self.waiting.append(req)
+            if prefilled is None or not self._add_prefilled(req, prefilled):
+                self.waiting.append(req)
             self._publish()
             self._wake.notify_all()
+        if prefilled is not None and self.on_output is not None:  # its first token is out
+            self.on_output(req)
         return request_id
+
+    def _add_prefilled(self, req: Request, p: Prefilled) -> bool:
+        """Apply another server's first token to req and hand it, with its pulled KV, to the decode instance;
+        False when req must still be queued (its KV was not pulled: the prompt is recomputed here)."""
+        done = self.outputs.append(req, p.first_token)
+        if p.logprob is not None and req.params.logprobs is not None:
+            req.logprobs[-1] = p.logprob  # the entry as the prefill server computed it
+        req.prefilled_on, req.drafts = "remote", p.drafts
+        if done:
+            self._record([req])
+            return True
+        if p.kv is None:
+            return False
+        inst = self.instances[-1]  # the decode instance (the only one, colocated)
+        req.status, req.holder = RequestStatus.HANDING_OVER, inst.name
+        inst.scheduler.incoming.append(Handoff(req, p.kv, list(range(p.num_pages)), 0.0))
+        return True
 
     def abort(self, request_id: str) -> None:
         """Finish a request as aborted and free its pages: at once when no instance thread runs or it still

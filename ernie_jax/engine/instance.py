@@ -108,7 +108,7 @@ class Instance:
             touched += self.scheduler.drop_aborted()
             arrived = self.scheduler.receive(self.clock())
         for h, pages in arrived:
-            self.runner.copy_in(h, pages, self.peer.runner)
+            self.runner.copy_in(h, pages, self.peer.runner if self.peer else None)
         rebalance = False
         flight = self.runner.in_flight
         with self.lock:
@@ -127,6 +127,10 @@ class Instance:
     def end(self, begun) -> StepOutputs:
         t0, plan, pending, touched, rebalance = begun
         more, due = self._apply(self.runner.read(*pending))
+        with self.lock:
+            exports = self.scheduler.take_exports()
+        for req, pages in exports:  # before the next step's programs can write these pages
+            self.runner.export(req, pages)
         if not plan.empty:
             record = StepRecord(t0, self.clock(), *plan.record_fields(), self.transfer_seconds)
             self.timeline.append(record)

@@ -1,4 +1,5 @@
-"""Moving requests' KV pages between two instances' pools (prefill/decode disaggregation in one process)."""
+"""Moving requests' KV pages between two instances' pools (prefill/decode disaggregation in one process), and
+the page gather and scatter programs that moves between processes use too (engine/kv_connector.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,23 @@ import jax
 import numpy as np
 
 from ernie_jax.engine.shapes import buckets
+
+
+def page_gather(programs):
+    """A jitted (pool, page ids [n]) -> page batch: the pages' KV, each pool leaf [L, P, ...] -> [L, n, ...],
+    laid out like the pool on its mesh."""
+    return jax.jit(lambda cache, ids: jax.tree.map(lambda a: a[:, ids], cache),
+                   in_shardings=(programs.cache_shardings, programs.replicated),
+                   out_shardings=programs.cache_shardings)
+
+
+def page_scatter(programs):
+    """A jitted (pool, page batch, page ids [n]) -> pool with the batch written at those pages (the pool
+    donated); the batch is laid out like the pool (page ids past the real pages name the null page 0)."""
+    return jax.jit(lambda cache, pages, ids: jax.tree.map(lambda a, p: a.at[:, ids].set(p), cache, pages),
+                   donate_argnums=(0,), in_shardings=(programs.cache_shardings, programs.cache_shardings,
+                                                      programs.replicated),
+                   out_shardings=programs.cache_shardings)
 
 
 class PageTransfer:
@@ -22,13 +40,7 @@ class PageTransfer:
         self.src, self.dst = src, dst
         self.buckets = buckets(src.max_pages)
         self.page_shardings = dst.cache_shardings  # a page batch is laid out like the pool it goes to
-        self._gather = jax.jit(lambda cache, ids: jax.tree.map(lambda a: a[:, ids], cache),
-                               in_shardings=(src.cache_shardings, src.replicated),
-                               out_shardings=src.cache_shardings)
-        self._scatter = jax.jit(lambda cache, pages, ids: jax.tree.map(lambda a, p: a.at[:, ids].set(p), cache, pages),
-                                donate_argnums=(0,), in_shardings=(dst.cache_shardings, self.page_shardings,
-                                                                   dst.replicated),
-                                out_shardings=dst.cache_shardings)
+        self._gather, self._scatter = page_gather(src), page_scatter(dst)
         self.seconds, self.bytes, self.pages = 0.0, 0, 0  # totals of every gather
         self.last: tuple[list[int], list[int]] | None = None  # (source, destination) pages of the last move
 

@@ -116,6 +116,7 @@ class Request:
     text: str | None = None  # with a tokenizer: the detokenized output (cut before a stop string)
     detokenizer: Any = None  # IncrementalDetokenizer when the engine has a tokenizer
     drafts: list[int] | None = None  # speculative decoding: the MTP block's drafts for its next step
+    export_kv: bool = False  # decoded by another server: once prefilled, its prompt's KV leaves (kv_connector)
 
     @property
     def finished(self) -> bool:

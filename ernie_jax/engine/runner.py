@@ -49,6 +49,7 @@ class ModelRunner:
         self.programs, self.k = programs, programs.k
         self.vocab_size, self.stop_ids = vocab_size, stop_ids
         self.transfer: PageTransfer | None = None  # to the peer, when this instance hands over
+        self.exporter = self.importer = None  # KV to and from other servers (kv_connector.py), when set
         self.busy_seconds = {"prefill": 0.0, "decode": 0.0}  # per program: dispatch to result
         self.steps = {"prefill": 0, "decode": 0}  # steps completed
         self.expert_tokens = np.zeros(programs.expert_shape, np.int64)
@@ -65,8 +66,20 @@ class ModelRunner:
         """(the pages' KV landed on the peer's mesh, None: the copy's time is the time this call took)."""
         return self.transfer.gather(src_pages), None
 
-    def copy_in(self, h: Handoff, pages: list[int], sender: "ModelRunner") -> None:
-        sender.transfer.scatter(h.kv, h.src_pages, pages[:len(h.src_pages)])
+    def copy_in(self, h: Handoff, pages: list[int], sender: "ModelRunner | None") -> None:
+        """Scatter a handed-over request's KV into its pages here: from the peer instance (sender), or pulled
+        from another server (sender None)."""
+        if sender is None:
+            self.importer.scatter(h.kv, pages[:len(h.src_pages)])
+        else:
+            sender.transfer.scatter(h.kv, h.src_pages, pages[:len(h.src_pages)])
+
+    def export(self, req, pages: list[int]) -> None:
+        """Keep a prefilled prompt's KV for another server's decode (KVExporter.export)."""
+        if self.exporter is None:
+            raise RuntimeError(f"{req.request_id} asks for its KV to be exported, but this server has no KV "
+                               "exporter (--pd-role prefill)")
+        self.exporter.export(req, pages)
 
     # ---- dispatch -------------------------------------------------------------------------------------------
     def _inputs(self, reqs, B: int) -> tuple[dict, int]:

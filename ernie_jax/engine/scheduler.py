@@ -64,6 +64,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.incoming: list[Handoff] = []
         self.outgoing: list[Request] = []  # handed over, their KV being copied to the peer
+        # prefilled for another server's decode: the prompt's pages (freed here) that the runner exports before
+        # the next step's programs are dispatched (engine/kv_connector.py)
+        self.exports: list[tuple[Request, list[int]]] = []
         self.acting = home  # the role it plays now (policy.acting_role)
         self.decode_step_seconds = 0.0  # moving average of the steps that decoded (the policy's TPOT view)
         self._admissions = 0
@@ -117,6 +120,10 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.seats_taken or self.incoming or self.outgoing)
+
+    def take_exports(self) -> list[tuple[Request, list[int]]]:
+        out, self.exports = self.exports, []
+        return out
 
     def sent(self, req: Request) -> None:
         """req's KV reached the peer, which holds it now."""
@@ -311,6 +318,8 @@ class Scheduler:
             for i, token in enumerate(row.tokens):
                 lp = row.logprobs if row.logprobs is not None else (0.0, (), ())
                 if self.outputs.append(req, token, *lp):
+                    if req.export_kv and row.kind == "prefill" and req.finish_reason == "length":
+                        self.exports.append((req, req.pages[:self.pool.pages_for(len(req.prompt_ids))]))
                     self._release(req)
                     break
                 self.kv.written(req, req.num_tokens - 1)  # every token but the newest has been fed

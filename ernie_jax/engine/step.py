@@ -30,6 +30,18 @@ class Handoff:
     ready_at: float  # when the KV is in place on the receiving side (the sender's clock)
 
 
+@dataclasses.dataclass(frozen=True)
+class Prefilled:
+    """What a request prefilled by another server brings (engine/kv_connector.py): the first token that server
+    sampled (with its logprob entry when asked, and the MTP drafts for the next step when it speculates) and
+    the prompt's KV as a page batch pulled from there (None: not pulled; the prompt is recomputed here)."""
+    first_token: int
+    logprob: dict | None
+    drafts: list[int] | None
+    kv: Any
+    num_pages: int
+
+
 @dataclasses.dataclass
 class StepPlan:
     """Everything one instance step does, decided at its step boundary."""

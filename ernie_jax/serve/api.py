@@ -32,6 +32,7 @@ from ernie_jax.engine.output_processor import check_requests, samples
 from ernie_jax.engine.outputs import RequestOutput
 from ernie_jax.sampling import SamplingParams
 from ernie_jax.serve.metrics import ServerMetrics
+from ernie_jax.serve.pd import PDServer
 from ernie_jax.serve.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, error_body
 from ernie_jax.tokenizer import ChatTemplateError, Tokenizer
 
@@ -50,6 +51,7 @@ class Server:
     max_n: int = 16
     api_key: str | None = None  # when set, /v1 routes need "Authorization: Bearer <key>"
     max_request_bytes: int = 8 * 2**20  # larger request bodies get 413
+    pd: PDServer = dataclasses.field(default_factory=PDServer)  # prefill/decode across servers (serve/pd.py)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
 
@@ -129,6 +131,20 @@ def create_app(server: Server) -> FastAPI:
         except NoExpertBalancer:
             raise ProtocolError("this server has no redundant experts; start it with --eplb-config",
                                 status=400) from None
+
+    @app.get("/v1/pd/info")
+    async def pd_info() -> dict:
+        """Prefill/decode across servers: this server's role, model and KV layout (serve/pd.py)."""
+        return server.pd.info(server.model_name)
+
+    @app.post("/v1/pd/kv/offer")
+    async def pd_offer(request: Request) -> dict:
+        """A decode server asks for a request's KV: it is handed to the transfer server for one pull."""
+        try:
+            body = await request.json()
+        except ValueError:
+            raise ProtocolError("the request body is not valid JSON") from None
+        return await asyncio.to_thread(server.pd.offer, body.get("request_id") if isinstance(body, dict) else None)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -211,21 +227,31 @@ async def _respond(server: Server, request: Request, body, prompts: list[_Prompt
     if waiting + count > server.max_queue_len:
         raise ProtocolError(f"the server is busy ({waiting} requests waiting, limit "
                             f"{server.max_queue_len}); retry later", status=429)
+    kv = body.kv_transfer_params
+    pd = await server.pd.prepare(kv, [p.ids for p in prompts], params, server.engine.info().vocab_size)
+    if pd.get("export_kv") and body.stream:
+        raise ProtocolError("do_remote_decode answers are not streamed (stream must be false)", param="stream")
     request_id = f"{fmt.prefix}-{uuid.uuid4().hex}"
-    outputs = _merge(server, _add_requests(server, request_id, prompts, params))
+    streams = _add_requests(server, request_id, prompts, params, pd)
+    outputs = _merge(server, streams)
     if body.stream:
         return StreamingResponse(_sse(fmt.stream(outputs, params)), media_type="text/event-stream")
-    return await _cancel_on_disconnect(request, fmt.collect(outputs, params))
+    answer = await _cancel_on_disconnect(request, fmt.collect(outputs, params))
+    if pd.get("export_kv") and isinstance(answer, dict):  # where the decode server finds the KV
+        answer["kv_transfer_params"] = server.pd.exporter.describe(streams[0][0])
+    return answer
 
 
-def _add_requests(server: Server, request_id: str, prompts: list[_Prompt], params: SamplingParams) -> list:
-    """Every (prompt, sample) as its own engine request (SamplingParams.for_sample), queued now."""
+def _add_requests(server: Server, request_id: str, prompts: list[_Prompt], params: SamplingParams,
+                  pd: dict) -> list:
+    """Every (prompt, sample) as its own engine request (SamplingParams.for_sample), queued now; pd: the
+    engine's keyword arguments for prefill/decode across servers (serve/pd.py)."""
     streams = []
     try:
         for i, p in enumerate(prompts):
             for j, sample in enumerate(samples(params)):
                 rid = f"{request_id}-{i}-{j}"
-                streams.append((rid, server.engine.add_request(p.ids, sample, rid, p.text)))
+                streams.append((rid, server.engine.add_request(p.ids, sample, rid, p.text, **pd)))
     except RequestError as e:
         for rid, _ in streams:
             server.engine.abort(rid)

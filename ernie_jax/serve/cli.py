@@ -42,6 +42,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--pd-tpot-target", type=float, default=None, metavar="SECONDS",
       help="dynamic: the prefill submesh decodes in place only while both submeshes' decode steps take "
            "at most this")
+    a("--pd-role", default="mixed", choices=["mixed", "prefill", "decode"],
+      help="prefill/decode on different servers behind `python -m ernie_jax.router` (FastDeploy's "
+           "--splitwise-role, SGLang's --disaggregation-mode): prefill keeps each prompt's KV for a decode "
+           "server to pull, decode pulls it and decodes; mixed serves whole requests. Not with --prefill-devices "
+           "(a role server runs one instance on its whole mesh)")
+    a("--kv-transfer-address", default="127.0.0.1", metavar="HOST[:PORT]",
+      help="--pd-role prefill/decode: where this server's KV transfer server listens (port 0 or none: a free one); "
+           "peers learn it through kv_transfer_params")
+    a("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],
+      help="--pd-role decode: when a request's KV cannot be pulled (after one retry), recompute its prompt here "
+           "or fail the request (vLLM's name)")
     a("--speculative-config", default=None, metavar="JSON",
       help='MTP speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 1}\' ("ernie_mtp" too; '
            'k from 1 to 4; k > 1 chains the one MTP layer)')
@@ -100,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     from ernie_jax.engine.async_engine import AsyncEngine
     from ernie_jax.engine.config import EngineConfig
     from ernie_jax.engine.expert_balance import EPLBConfig
+    from ernie_jax.engine.kv_connector import KVTransferError
     from ernie_jax.engine.policy import PDPolicy
     from ernie_jax.engine.speculative import SpeculativeConfig
     from ernie_jax.llm import LLM
@@ -113,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.isdir(model_dir):
         raise SystemExit(f"--model {model_dir!r} is not a folder")
     name = args.served_model_name or os.path.basename(os.path.normpath(model_dir))
+    if args.pd_role != "mixed" and args.prefill_devices is not None:
+        raise SystemExit(f"--pd-role {args.pd_role} runs one instance on the whole mesh; --prefill-devices is for "
+                         "prefill/decode inside one server (--pd-role mixed)")
     try:
         policy = PDPolicy(args.pd_policy, ttft_target=args.pd_ttft_target, tpot_target=args.pd_tpot_target)
     except ValueError as e:
@@ -134,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
             kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
             num_gpu_blocks_override=args.num_gpu_blocks_override, gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=args.enable_prefix_caching, mesh=args.mesh if n_devices > 1 else None,
-            prefill_devices=args.prefill_devices, disaggregate=args.disaggregate, sharding=args.sharding,
+            prefill_devices=args.prefill_devices, disaggregate=args.disaggregate and args.pd_role == "mixed",
+            sharding=args.sharding,
             pd_policy=policy, speculative_config=speculative, eplb_config=eplb)
     except ValueError as e:  # the message names the setting (a JSON config's field included)
         raise SystemExit(f"error: {e}") from None
@@ -147,11 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     _log_startup(llm, model_dir, args)
 
     engine = llm.engine
+    try:
+        pd = _pd_server(engine, args)
+    except KVTransferError as e:
+        raise SystemExit(f"--kv-transfer-address: {e}") from None
     metrics = ServerMetrics(engine.stats, name)
     async_engine = AsyncEngine(engine, on_finish=metrics.on_finish)
     server = Server(async_engine, llm.tokenizer, name, llm.sampling_defaults, metrics,
                     max_queue_len=args.max_queue_len, max_n=args.max_n, api_key=args.api_key,
-                    max_request_bytes=args.max_request_bytes)
+                    max_request_bytes=args.max_request_bytes, pd=pd)
     app = create_app(server)
 
     class _Uvicorn(uvicorn.Server):
@@ -172,6 +192,22 @@ def main(argv: list[str] | None = None) -> int:
     async_engine.shutdown()
     log.info("shut down after draining (%d requests unfinished)", left)
     return 0
+
+
+def _pd_server(engine, args):
+    """This server's part in prefill/decode across servers: a KV exporter (prefill) or importer (decode) on
+    its one instance's runner."""
+    from ernie_jax.engine.kv_connector import KVExporter, KVImporter
+    from ernie_jax.serve.pd import PDServer
+    pd = PDServer(args.pd_role, kv_load_failure_policy=args.kv_load_failure_policy, api_key=args.api_key)
+    inst = engine.instances[-1]
+    if args.pd_role == "prefill":
+        pd.exporter = inst.runner.exporter = KVExporter(inst.programs, args.kv_transfer_address)
+        log.info("pd role prefill: prompts' KV kept for decode servers, transfer server at %s", pd.exporter.address)
+    elif args.pd_role == "decode":
+        pd.importer = inst.runner.importer = KVImporter(inst.programs, args.kv_transfer_address)
+        log.info("pd role decode: KV pulled from prefill servers (on failure: %s)", args.kv_load_failure_policy)
+    return pd
 
 
 def _log_startup(llm, model_dir: str, args) -> None:

@@ -81,6 +81,9 @@ class _Sampling(_Body):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
+    # vLLM's field for prefill/decode across servers: {"do_remote_decode": true} asks a prefill server to keep
+    # the prompt's KV; a decode server gets what that server answered, plus "remote_url" (serve/pd.py)
+    kv_transfer_params: dict[str, Any] | None = None
 
     def sampling_params(self, defaults: dict[str, Any], max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:

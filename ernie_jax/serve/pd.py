@@ -1,0 +1,145 @@
+"""A server's part in prefill/decode disaggregation across processes (the protocol: engine/kv_connector.py).
+
+`--pd-role prefill` servers export a prompt's KV for a request whose `kv_transfer_params` say
+`do_remote_decode`; `--pd-role decode` servers take a request whose parameters say `do_remote_prefill`, pull its
+KV from the prefill server named by `remote_url` and decode it. `/v1/pd/info` tells a router (or a peer) the
+role, the model and the KV layout; `/v1/pd/kv/offer` is what a decode server calls on a prefill server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Any
+
+import httpx
+
+from ernie_jax.engine.kv_connector import KV_LOAD_FAILURE_POLICIES, KVExporter, KVImporter, KVLayout, KVTransferError
+from ernie_jax.engine.step import Prefilled
+from ernie_jax.sampling import SamplingParams
+from ernie_jax.serve.protocol import ProtocolError
+
+log = logging.getLogger("ernie_jax.serve")
+
+PD_ROLES = ("mixed", "prefill", "decode")
+
+
+@dataclasses.dataclass
+class PDServer:
+    role: str = "mixed"
+    exporter: KVExporter | None = None
+    importer: KVImporter | None = None
+    kv_load_failure_policy: str = "recompute"
+    api_key: str | None = None  # sent to prefill servers' offer route
+    recomputed: int = 0  # remotely prefilled requests whose KV could not be pulled, prefilled here again
+
+    def __post_init__(self):
+        if self.role not in PD_ROLES:
+            raise ValueError(f"pd role {self.role!r}: expected one of {PD_ROLES}")
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(f"kv_load_failure_policy {self.kv_load_failure_policy!r}: expected one of "
+                             f"{KV_LOAD_FAILURE_POLICIES}")
+
+    def info(self, model_name: str) -> dict:
+        """The role, model and KV layout (what a router or a peer checks), and the transfer counters."""
+        kv = self.exporter or self.importer
+        transfers: dict[str, Any] = {}
+        if (e := self.exporter) is not None:
+            transfers = {"exported": e.exported, "offered": e.offered, "expired": e.expired, "kept": e.sweep(),
+                         "bytes": e.bytes, "seconds": round(e.seconds, 6)}
+        elif (i := self.importer) is not None:
+            transfers = {"pulled": i.pulled, "failed": i.failed, "recomputed": self.recomputed, "bytes": i.bytes,
+                         "seconds": round(i.seconds, 6)}
+        return {"role": self.role, "model": model_name, "kv_layout": kv.layout.to_json() if kv is not None else None,
+                "transfer_address": self.exporter.address if self.exporter is not None else None,
+                "transfers": transfers}
+
+    def offer(self, request_id: Any) -> dict:
+        if self.exporter is None:
+            raise ProtocolError("this server exports no KV (it was not started with --pd-role prefill)", status=400)
+        if not isinstance(request_id, str):
+            raise ProtocolError("request_id must be a string", param="request_id")
+        try:
+            return self.exporter.offer(request_id)
+        except KeyError:
+            raise ProtocolError(f"no KV kept for request {request_id!r} (unknown, already pulled, or expired "
+                                f"after {self.exporter.expiry:.0f} s)", status=404, param="request_id") from None
+
+    async def prepare(self, kv: dict | None, prompts: list[list[int]], params: SamplingParams,
+                      vocab_size: int) -> dict:
+        """The engine.add_request keyword arguments a request's kv_transfer_params ask for ({} for none);
+        for a remotely prefilled request this pulls its KV first. ProtocolError for parameters this server
+        cannot take, naming the field."""
+        if not kv:
+            return {}
+        if len(prompts) != 1 or params.n != 1:
+            raise ProtocolError("kv_transfer_params need one prompt and n = 1", param="kv_transfer_params")
+        if params.prompt_logprobs is not None:
+            raise ProtocolError("prompt logprobs are not served across a prefill/decode split",
+                                param="kv_transfer_params")
+        if kv.get("do_remote_decode"):
+            if self.exporter is None:
+                raise ProtocolError("do_remote_decode: this server exports no KV (start it with --pd-role "
+                                    "prefill)", param="kv_transfer_params")
+            return {"export_kv": True}
+        if not kv.get("do_remote_prefill"):
+            raise ProtocolError("kv_transfer_params need do_remote_decode or do_remote_prefill",
+                                param="kv_transfer_params")
+        if self.importer is None:
+            raise ProtocolError("do_remote_prefill: this server imports no KV (start it with --pd-role decode)",
+                                param="kv_transfer_params")
+        return {"prefilled": await self._pull(kv, prompts[0], params, vocab_size)}
+
+    async def _pull(self, kv: dict, prompt: list[int], params: SamplingParams, vocab_size: int) -> Prefilled:
+        try:
+            layout = KVLayout.from_json(kv["kv_layout"])
+            rid, url = str(kv["remote_request_id"]), str(kv["remote_url"])
+            first, n_prompt, num_pages = int(kv["first_token_id"]), int(kv["num_prompt_tokens"]), \
+                int(kv["remote_num_pages"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProtocolError(f"kv_transfer_params: missing or malformed field {e}", param="kv_transfer_params") \
+                from None
+        if why := self.importer.layout.mismatch(layout):
+            raise ProtocolError(f"kv_transfer_params: the prefill server's KV cannot enter this server's pool: "
+                                f"{why}", param="kv_transfer_params")
+        if n_prompt != len(prompt):
+            raise ProtocolError(f"kv_transfer_params: the prefill server computed {n_prompt} prompt tokens, this "
+                                f"request has {len(prompt)}", param="kv_transfer_params")
+        if not 0 <= first < vocab_size:
+            raise ProtocolError(f"kv_transfer_params: first_token_id {first} is outside [0, {vocab_size})",
+                                param="kv_transfer_params")
+        lp = kv.get("first_token_logprob")
+        drafts = kv.get("drafts")
+        batch = None
+        if params.max_tokens != 1:  # otherwise the first token is the whole answer
+            batch = await self._fetch(url, rid)
+        return Prefilled(first, lp if isinstance(lp, dict) else None,
+                         [int(t) for t in drafts] if isinstance(drafts, list) else None, batch, num_pages)
+
+    async def _fetch(self, url: str, rid: str):
+        """The request's page batch from the prefill server at url: an offer, then a pull (tried twice); on
+        failure None (recompute) or a 502 (kv_load_failure_policy "fail")."""
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        why = ""
+        try:
+            async with httpx.AsyncClient(timeout=30) as client:
+                r = await client.post(url.rstrip("/") + "/v1/pd/kv/offer", json={"request_id": rid}, headers=headers)
+            if r.status_code != 200:
+                why = f"the offer was refused ({r.status_code}: {r.text[:200]})"
+            else:
+                offer = r.json()
+                for attempt in range(2):
+                    try:
+                        return await asyncio.to_thread(self.importer.pull, offer)
+                    except KVTransferError as e:
+                        why = str(e)
+                        log.warning("KV pull for %s from %s failed (attempt %d): %s", rid, url, attempt + 1, e)
+        except httpx.HTTPError as e:
+            why = f"{url} did not answer: {e!r}"
+        if self.kv_load_failure_policy == "fail":
+            raise ProtocolError(f"the KV of {rid} could not be loaded from {url}: {why}", status=502,
+                                param="kv_transfer_params")
+        self.recomputed += 1
+        log.warning("the KV of %s could not be loaded from %s (%s): recomputing its prompt here", rid, url, why)
+        return None
