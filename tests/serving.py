@@ -30,10 +30,10 @@ def running_server(args: list[str], timeout: float = 600):
         yield servers[0]
 
 
-def launch(module: str, args: list[str]) -> dict:
-    """`python -m module --port P ... args` on a free loopback port, started (not waited for): {"url", "proc",
-    "log"}. A server module gets --api-key KEY and the tests' compilation cache."""
-    port = _free_port()
+def launch(module: str, args: list[str], port: int | None = None) -> dict:
+    """`python -m module --port P ... args` on loopback (a free port unless given), started (not waited for):
+    {"url", "proc", "log"}. A server module gets --api-key KEY and the tests' compilation cache."""
+    port = port or _free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the server sets up its own devices
     env["JAX_PLATFORMS"] = "cpu"
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)

@@ -2,24 +2,30 @@
 `python -m ernie_jax.router`), 4 fake CPU devices each, on loopback: the prompt's KV moves between the
 processes through jax.experimental.transfer (engine/kv_connector.py)."""
 
+import subprocess
+import sys
+import time
+
 import httpx
 import openai
 import pytest
 
 from ernie_jax.assets import EMBEDDED_MODEL_NAME
-from tests.serving import AUTH, KEY, launch, metric, metrics, running_servers, wait_healthy, wait_idle
+from tests.serving import AUTH, KEY, ROOT, launch, metric, metrics, running_servers, wait_healthy, wait_idle
 
 COMMON = ["--mesh", "4", "--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
           "--batch-invariant"]
 PROMPTS = ["The sea is", "说说曹操。", "Tell me about the mountains and the rivers of"]
+EXPIRY = 8  # seconds the prefill server keeps an unpulled prompt's KV (the router's pulls come within ms)
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    with running_servers([COMMON + ["--pd-role", "prefill"], COMMON + ["--pd-role", "decode"]]) as (p, d):
+    with running_servers([COMMON + ["--pd-role", "prefill", "--kv-expiry-seconds", str(EXPIRY)],
+                          COMMON + ["--pd-role", "decode"]]) as (p, d):
         router = launch("ernie_jax.router", ["--prefill", p["url"], "--decode", d["url"], "--api-key", KEY])
         try:
-            wait_healthy(router, __import__("time").time() + 60)
+            wait_healthy(router, time.time() + 60)
             yield {"prefill": p, "decode": d, "router": router}
         finally:
             router["proc"].kill()
@@ -67,3 +73,97 @@ def test_requests_the_roles_cannot_take_are_refused_naming_the_field(cluster):
     r = httpx.post(p + "/v1/pd/kv/offer", headers=AUTH, json={"request_id": "no-such-request"})
     assert r.status_code == 404 and "no-such-request" in r.json()["error"]["message"]
     assert httpx.get(d + "/health").status_code == 200 and httpx.get(p + "/health").status_code == 200
+
+
+def test_kv_not_pulled_in_time_expires_and_its_pages_are_free(cluster):
+    p = cluster["prefill"]["url"]
+    before = httpx.get(p + "/v1/pd/info", headers=AUTH).json()["transfers"]
+    r = httpx.post(p + "/v1/completions", headers=AUTH, json={
+        "model": EMBEDDED_MODEL_NAME, "prompt": "The sea is", "max_tokens": 1, "temperature": 0, "ignore_eos": True,
+        "kv_transfer_params": {"do_remote_decode": True}})
+    kv = r.json()["kv_transfer_params"]
+    assert kv["do_remote_prefill"] and kv["remote_num_pages"] >= 1 and kv["num_prompt_tokens"] > 0
+    assert httpx.get(p + "/v1/pd/info", headers=AUTH).json()["transfers"]["kept"] == 1
+    wait_idle(p)  # the pool's pages are free at once: the kept KV is a copy
+    time.sleep(EXPIRY + 1)
+    after = httpx.get(p + "/v1/pd/info", headers=AUTH).json()["transfers"]
+    assert after["expired"] == before["expired"] + 1 and after["kept"] == 0
+    r = httpx.post(p + "/v1/pd/kv/offer", headers=AUTH, json={"request_id": kv["remote_request_id"]})
+    assert r.status_code == 404 and "expired" in r.json()["error"]["message"]
+
+
+def test_the_router_refuses_a_server_in_another_role(cluster):
+    p = cluster["prefill"]["url"]
+    out = subprocess.run([sys.executable, "-m", "ernie_jax.router", "--prefill", p, "--decode", p, "--api-key", KEY,
+                          "--port", "0"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode != 0 and f"{p} serves as 'prefill', not as 'decode'" in out.stderr
+
+
+def test_a_decode_server_killed_mid_stream_fails_its_stream_and_a_restarted_one_rejoins():
+    """Its own servers: the decode server is killed while streaming; the stream ends with an error event, the
+    router keeps serving (the prefill server takes whole requests), and a decode server restarted on the same
+    port is routed to again once the router's heartbeat sees it."""
+    with running_servers([COMMON + ["--pd-role", "prefill"], COMMON + ["--pd-role", "decode"]]) as (p, d):
+        router = launch("ernie_jax.router", ["--prefill", p["url"], "--decode", d["url"], "--api-key", KEY,
+                                             "--heartbeat", "1"])
+        try:
+            wait_healthy(router, time.time() + 60)
+            client = _client(router["url"])
+            kw = dict(model=EMBEDDED_MODEL_NAME, temperature=0, extra_body={"ignore_eos": True})
+            stream = client.completions.create(prompt="The sea is", max_tokens=200, stream=True, **kw)
+            with pytest.raises(openai.APIError, match="failed mid-stream"):
+                for i, _ in enumerate(stream):
+                    if i == 2:
+                        d["proc"].kill()
+            want = _client(p["url"]).completions.create(prompt=PROMPTS[0], max_tokens=8, **kw).choices[0].text
+            assert client.completions.create(prompt=PROMPTS[0], max_tokens=8, **kw).choices[0].text == want
+            assert httpx.get(router["url"] + "/health").status_code == 200
+            wait_idle(p["url"])
+            port = int(d["url"].rsplit(":", 1)[1])
+            d2 = launch("ernie_jax.serve", COMMON + ["--pd-role", "decode"], port=port)
+            try:
+                wait_healthy(d2, time.time() + 300)
+                deadline = time.time() + 30
+                while metric(metrics(router["url"]), "ernie_jax_router:up", role="decode") < 1:
+                    assert time.time() < deadline, "the restarted decode server was not seen"
+                    time.sleep(0.5)
+                split = metric(metrics(router["url"]), "ernie_jax_router:requests_total", path="split")
+                assert client.completions.create(prompt=PROMPTS[0], max_tokens=8, **kw).choices[0].text == want
+                assert metric(metrics(router["url"]), "ernie_jax_router:requests_total", path="split") == split + 1
+            finally:
+                d2["proc"].kill()
+        finally:
+            router["proc"].kill()
+            router["proc"].wait()
+
+
+@pytest.mark.parametrize("variant", ["mtp", "fp8-kv", "meshes-4-2"])
+def test_split_with_mtp_fp8_kv_and_different_meshes(variant):
+    """MTP (drafts cross with the first token), FP8 KV (scales cross with the pages), and a decode mesh of
+    another size (the KV is resharded on arrival): greedy through the router equals the decode server alone
+    (with different meshes, the same first token and a whole answer: the prompt's KV comes from another mesh's
+    arithmetic)."""
+    extra = {"mtp": ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'],
+             "fp8-kv": ["--kv-cache-dtype", "fp8"], "meshes-4-2": []}[variant]
+    decode_mesh = ["--mesh", "2"] if variant == "meshes-4-2" else []
+    with running_servers([COMMON + extra + ["--pd-role", "prefill"],
+                          COMMON + extra + decode_mesh + ["--pd-role", "decode"]]) as (p, d):
+        router = launch("ernie_jax.router", ["--prefill", p["url"], "--decode", d["url"], "--api-key", KEY])
+        try:
+            wait_healthy(router, time.time() + 60)
+            kw = dict(model=EMBEDDED_MODEL_NAME, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+            for prompt in PROMPTS:
+                want = _client(d["url"]).completions.create(prompt=prompt, **kw).choices[0]
+                got = _client(router["url"]).completions.create(prompt=prompt, **kw)
+                if variant == "meshes-4-2":
+                    assert got.usage.completion_tokens == 12
+                    first = _client(p["url"]).completions.create(prompt=prompt, **{**kw, "max_tokens": 1})
+                    assert got.choices[0].text.startswith(first.choices[0].text)
+                else:
+                    assert got.choices[0].text == want.text
+            assert httpx.get(d["url"] + "/v1/pd/info", headers=AUTH).json()["transfers"]["pulled"] == len(PROMPTS)
+            wait_idle(p["url"])
+            wait_idle(d["url"])
+        finally:
+            router["proc"].kill()
+            router["proc"].wait()

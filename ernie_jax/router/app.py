@@ -23,6 +23,7 @@ import collections
 import json
 import logging
 import time
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -35,52 +36,118 @@ class RouterError(RuntimeError):
     """A server the router was given cannot be used; the message names it and why."""
 
 
+class _Unreachable(Exception):
+    """A server did not answer (nothing was sent to the client yet)."""
+
+
 class Backend:
-    def __init__(self, url: str, role: str):
-        self.url, self.role = url.rstrip("/"), role
+    def __init__(self, url: str, role: str, registered: bool = False):
+        self.url, self.role, self.registered = url.rstrip("/"), role, registered
         self.in_flight = 0
         self.routed = 0
         self.failures = 0
         self.info: dict = {}
+        self.up = True
+        self.misses = 0  # heartbeats missed in a row
+        self.last_seen = time.monotonic()
+
+    def seen(self) -> None:
+        if not self.up:
+            log.info("%s server %s is back", self.role, self.url)
+        self.up, self.misses, self.last_seen = True, 0, time.monotonic()
+
+    def missed(self, why: str, at_once: bool = False) -> None:
+        """A heartbeat or a request it did not answer; at_once: it refused the connection (down now)."""
+        self.misses = max(self.misses + 1, 2 if at_once else 0)
+        if self.up and self.misses >= 2:
+            self.up = False
+            log.warning("%s server %s is down (%s): not routed to until it answers again", self.role, self.url, why)
 
 
 class Router:
     def __init__(self, prefill: list[str], decode: list[str], mixed: list[str], api_key: str | None = None,
-                 timeout: float = 600.0):
+                 timeout: float = 600.0, heartbeat: float = 5.0):
         self.backends = [Backend(u, "prefill") for u in prefill] + [Backend(u, "decode") for u in decode] + \
             [Backend(u, "mixed") for u in mixed]
-        self.api_key, self.timeout = api_key, timeout
+        self.api_key, self.timeout, self.heartbeat = api_key, timeout, heartbeat
         self.counts: collections.Counter = collections.Counter()  # routing decisions
         self.seconds: collections.Counter = collections.Counter()  # prefill-leg seconds
         self.client: httpx.AsyncClient | None = None
 
     def of(self, role: str) -> list[Backend]:
-        return [b for b in self.backends if b.role == role]
+        """The servers of a role that are up."""
+        return [b for b in self.backends if b.role == role and b.up]
 
     def check(self) -> None:
         """Each server's role and KV layout, read from /v1/pd/info (RouterError naming the mismatch)."""
-        if not (self.of("prefill") and self.of("decode")) and not self.of("mixed"):
-            raise RouterError("give at least one --prefill and one --decode server, or a --mixed one")
-        headers = self._headers(None)
         for b in self.backends:
             try:
-                r = httpx.get(b.url + "/v1/pd/info", headers=headers, timeout=10)
+                r = httpx.get(b.url + "/v1/pd/info", headers=self._headers(None), timeout=10)
             except httpx.HTTPError as e:
                 raise RouterError(f"{b.role} server {b.url} does not answer: {e!r}") from None
-            if r.status_code != 200:
-                raise RouterError(f"{b.role} server {b.url}: /v1/pd/info answered {r.status_code} {r.text[:200]}")
-            b.info = r.json()
-            if b.info.get("role") != b.role:
-                raise RouterError(f"{b.url} serves as {b.info.get('role')!r}, not as {b.role!r} (its --pd-role)")
-        layouts = {b.url: b.info.get("kv_layout") for b in self.of("prefill") + self.of("decode")}
-        first = next(iter(layouts.items()), None)
-        for url, layout in layouts.items():
-            if layout != first[1]:
-                raise RouterError(f"{url} keeps its KV in another layout than {first[0]} (model, block size, KV "
-                                  f"dtype or MTP differ): {_layout_diff(first[1], layout)}")
-        models = {b.info.get("model") for b in self.backends}
-        if len(models) > 1:
-            raise RouterError(f"the servers serve different models: {sorted(map(str, models))}")
+            self._admit(b, r)
+
+    def _admit(self, b: Backend, r: httpx.Response) -> None:
+        """b's /v1/pd/info answer checked against its role and the other servers (RouterError naming why)."""
+        if r.status_code != 200:
+            raise RouterError(f"{b.role} server {b.url}: /v1/pd/info answered {r.status_code} {r.text[:200]}")
+        info = r.json()
+        if info.get("role") != b.role:
+            raise RouterError(f"{b.url} serves as {info.get('role')!r}, not as {b.role!r} (its --pd-role)")
+        for other in self.backends:
+            if other is b or not other.info:
+                continue
+            if other.info.get("model") != info.get("model"):
+                raise RouterError(f"{b.url} serves {info.get('model')!r}, {other.url} serves "
+                                  f"{other.info.get('model')!r}")
+            theirs, mine = other.info.get("kv_layout"), info.get("kv_layout")
+            if b.role != "mixed" and other.role != "mixed" and theirs != mine:
+                raise RouterError(f"{b.url} keeps its KV in another layout than {other.url} (model, block size, KV "
+                                  f"dtype or MTP differ): {_layout_diff(theirs, mine)}")
+        b.info = info
+
+    async def register(self, url: Any, role: Any) -> dict:
+        """A server announcing itself (and its heartbeat): added, or marked up again."""
+        if role not in ("prefill", "decode", "mixed") or not isinstance(url, str) or not url.startswith("http"):
+            raise RouterError(f"register needs a role (prefill, decode or mixed) and an http URL; got role {role!r}, "
+                              f"url {url!r}")
+        b = next((x for x in self.backends if x.url == url.rstrip("/")), None)
+        if b is not None and b.role == role and b.up:
+            b.seen()
+            return {"registered": b.url, "role": role, "new": False}
+        candidate = Backend(url, role, registered=True)
+        try:
+            r = await self.client.get(candidate.url + "/v1/pd/info", headers=self._headers(None), timeout=10)
+        except httpx.HTTPError as e:
+            raise RouterError(f"{url} registered as {role} but does not answer: {e!r}") from None
+        if b is not None:  # down, or restarted with another role: checked again, as a new server
+            self.backends.remove(b)
+        try:
+            self._admit(candidate, r)
+        except RouterError:
+            if b is not None:
+                self.backends.append(b)
+            raise
+        self.backends.append(candidate)
+        log.info("%s server %s registered", role, candidate.url)
+        return {"registered": candidate.url, "role": role, "new": True}
+
+    async def watch(self) -> None:
+        """Every heartbeat: a server given on the command line is asked for /health; a registered one must
+        have registered again within two heartbeats. Two misses mark a server down; an answer marks it up."""
+        while True:
+            await asyncio.sleep(self.heartbeat)
+            for b in list(self.backends):
+                if b.registered:
+                    if time.monotonic() - b.last_seen > 2 * self.heartbeat:
+                        b.misses = max(b.misses, 1)
+                        b.missed(f"no heartbeat for {time.monotonic() - b.last_seen:.0f} s")
+                    continue
+                try:
+                    ok = (await self.client.get(b.url + "/health", timeout=self.heartbeat)).status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                b.seen() if ok else b.missed("/health did not answer 200")
 
     def _headers(self, request: Request | None) -> dict:
         auth = request.headers.get("authorization") if request is not None else None
@@ -100,15 +167,17 @@ class Router:
         if not isinstance(body, dict):
             return _error("the request body must be a JSON object", 400)
         headers = self._headers(request)
+        if not any(b.up for b in self.backends):
+            return _error("no server is up behind this router", 503)
         split = (self.of("prefill") and self.of("decode") and body.get("n", 1) == 1
                  and not body.get("echo") and not body.get("prompt_logprobs")
                  and (path.endswith("chat/completions") or isinstance(body.get("prompt"), str)
                       or (isinstance(body.get("prompt"), list) and body["prompt"]
                           and isinstance(body["prompt"][0], int))))
-        if not split:
-            whole = self.of("mixed") or self.of("decode")
+        if not split:  # role servers are whole engines: with one side down, the other serves whole requests
+            whole = self.of("mixed") or self.of("decode") or self.of("prefill")
             self.counts["whole"] += 1
-            return await self._forward(self.pick(whole), path, body, headers)
+            return await self._send(self.pick(whole), path, body, headers)
         prefill, decode = self.pick(self.of("prefill")), self.pick(self.of("decode"))
         first = {**body, "stream": False, "kv_transfer_params": {"do_remote_decode": True}, "max_tokens": 1}
         first.pop("stream_options", None)
@@ -119,6 +188,11 @@ class Router:
             r = await self.client.post(prefill.url + path, json=first, headers=headers)
         except httpx.HTTPError as e:
             prefill.failures += 1
+            prefill.missed(repr(e), at_once=isinstance(e, httpx.ConnectError))
+            rest = self.of("decode") or self.of("mixed") or self.of("prefill")
+            if isinstance(e, httpx.ConnectError) and rest:  # nothing was computed: served whole elsewhere
+                self.counts["rerouted"] += 1
+                return await self._send(self.pick(rest), path, body, headers)
             return _error(f"the prefill server {prefill.url} did not answer: {e!r}", 502)
         finally:
             prefill.in_flight -= 1
@@ -129,10 +203,24 @@ class Router:
         kv = r.json().get("kv_transfer_params")
         if not kv:  # its first token ended it there: nothing to continue from
             self.counts["whole"] += 1
-            return await self._forward(decode, path, body, headers)
+            return await self._send(decode, path, body, headers)
         self.counts["split"] += 1
         second = {**body, "kv_transfer_params": {**kv, "remote_url": prefill.url}}
-        return await self._forward(decode, path, second, headers)
+        try:
+            return await self._forward(decode, path, second, headers)
+        except _Unreachable as e:
+            rest = self.of("decode") or self.of("mixed") or self.of("prefill")
+            if not rest:
+                return _error(str(e), 502)
+            # nothing reached the client: served whole elsewhere (the prefill server's copy of the KV expires)
+            self.counts["rerouted"] += 1
+            return await self._send(self.pick(rest), path, body, headers)
+
+    async def _send(self, b: Backend, path: str, body: dict, headers: dict) -> Response:
+        try:
+            return await self._forward(b, path, body, headers)
+        except _Unreachable as e:
+            return _error(str(e), 502)
 
     async def _forward(self, b: Backend, path: str, body: dict, headers: dict) -> Response:
         """body to server b; its answer passed through (streamed as it arrives when body asks to stream)."""
@@ -144,14 +232,16 @@ class Router:
                     r = await self.client.post(b.url + path, json=body, headers=headers)
                 except httpx.HTTPError as e:
                     b.failures += 1
-                    return _error(f"the {b.role} server {b.url} did not answer: {e!r}", 502)
+                    b.missed(repr(e), at_once=isinstance(e, httpx.ConnectError))
+                    raise _Unreachable(f"the {b.role} server {b.url} did not answer: {e!r}") from None
                 return Response(r.content, status_code=r.status_code, media_type="application/json")
             req = self.client.build_request("POST", b.url + path, json=body, headers=headers)
             try:
                 r = await self.client.send(req, stream=True)
             except httpx.HTTPError as e:
                 b.failures += 1
-                return _error(f"the {b.role} server {b.url} did not answer: {e!r}", 502)
+                b.missed(repr(e), at_once=isinstance(e, httpx.ConnectError))
+                raise _Unreachable(f"the {b.role} server {b.url} did not answer: {e!r}") from None
             if r.status_code != 200:
                 content = await r.aread()
                 await r.aclose()
@@ -167,6 +257,7 @@ class Router:
                 yield chunk
         except httpx.HTTPError as e:  # the server went away mid-stream: the client gets an error event
             b.failures += 1
+            b.missed(repr(e))
             error = {"error": {"message": f"the {b.role} server {b.url} failed mid-stream: {e!r}",
                                "type": "server_error", "code": 502}}
             yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
@@ -178,7 +269,8 @@ class Router:
         lines = []
         for b in self.backends:
             label = f'url="{b.url}",role="{b.role}"'
-            lines += [f"ernie_jax_router:in_flight{{{label}}} {b.in_flight}",
+            lines += [f"ernie_jax_router:up{{{label}}} {int(b.up)}",
+                      f"ernie_jax_router:in_flight{{{label}}} {b.in_flight}",
                       f"ernie_jax_router:routed_total{{{label}}} {b.routed}",
                       f"ernie_jax_router:failures_total{{{label}}} {b.failures}"]
         lines += [f'ernie_jax_router:requests_total{{path="{k}"}} {v}' for k, v in sorted(self.counts.items())]
@@ -204,6 +296,18 @@ def create_app(router: Router) -> FastAPI:
     @app.on_event("startup")
     async def _start():
         router.client = httpx.AsyncClient(timeout=httpx.Timeout(router.timeout, connect=10))
+        app.state.watch = asyncio.create_task(router.watch())
+
+    @app.post("/register")
+    async def register(request: Request) -> Response:
+        """A server announces itself (`--router URL` on the server), and again every heartbeat."""
+        try:
+            body = await request.json()
+            return JSONResponse(await router.register(body.get("url"), body.get("role")))
+        except (ValueError, AttributeError):
+            return _error("register needs a JSON object {\"url\": ..., \"role\": ...}", 400)
+        except RouterError as e:
+            return _error(str(e), 400)
 
     @app.on_event("shutdown")
     async def _stop():
@@ -211,16 +315,9 @@ def create_app(router: Router) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        async def ok(b: Backend) -> bool:
-            try:
-                return (await router.client.get(b.url + "/health", timeout=5)).status_code == 200
-            except httpx.HTTPError:
-                return False
-        alive = await asyncio.gather(*(ok(b) for b in router.backends))
-        up = {b.role for b, a in zip(router.backends, alive) if a}
-        if not ({"prefill", "decode"} <= up or "mixed" in up):
-            down = [b.url for b, a in zip(router.backends, alive) if not a]
-            return _error(f"no complete set of servers is up (down: {down})", 503)
+        """200 while some server is up (with one role down, the other serves whole requests)."""
+        if not any(b.up for b in router.backends):
+            return _error(f"no server is up (known: {[b.url for b in router.backends]})", 503)
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -229,8 +326,13 @@ def create_app(router: Router) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        b = (router.of("decode") + router.of("mixed"))[0]
-        r = await router.client.get(b.url + "/v1/models", headers=router._headers(request))
+        up = router.of("decode") + router.of("mixed") + router.of("prefill")
+        if not up:
+            return _error("no server is up behind this router", 503)
+        try:
+            r = await router.client.get(up[0].url + "/v1/models", headers=router._headers(request))
+        except httpx.HTTPError as e:
+            return _error(f"{up[0].url} did not answer: {e!r}", 502)
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
     @app.post("/v1/completions")
@@ -254,15 +356,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--api-key", default=None, help="sent to the servers when a client sends none")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds a server may take to answer")
+    ap.add_argument("--heartbeat", type=float, default=5.0, help="seconds between health checks (servers that "
+                    "register themselves send theirs); two missed mark a server down")
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    router = Router(args.prefill, args.decode, args.mixed, args.api_key, args.timeout)
+    router = Router(args.prefill, args.decode, args.mixed, args.api_key, args.timeout, args.heartbeat)
     try:
         router.check()
     except RouterError as e:
         raise SystemExit(f"error: {e}") from None
-    log.info("routing: prefill %s, decode %s, mixed %s", args.prefill, args.decode, args.mixed)
+    log.info("routing: prefill %s, decode %s, mixed %s%s", args.prefill, args.decode, args.mixed,
+             "" if router.backends else " (none yet: servers register with --router)")
     config = uvicorn.Config(create_app(router), host=args.host, port=args.port, log_level=args.log_level,
                             access_log=False)
     server = uvicorn.Server(config)

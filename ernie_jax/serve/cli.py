@@ -50,9 +50,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--kv-transfer-address", default="127.0.0.1", metavar="HOST[:PORT]",
       help="--pd-role prefill/decode: where this server's KV transfer server listens (port 0 or none: a free one); "
            "peers learn it through kv_transfer_params")
+    a("--kv-expiry-seconds", type=float, default=120.0,
+      help="--pd-role prefill: a prompt's KV not pulled within this is dropped (and counted)")
     a("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],
       help="--pd-role decode: when a request's KV cannot be pulled (after one retry), recompute its prompt here "
            "or fail the request (vLLM's name)")
+    a("--router", default=None, metavar="URL",
+      help="register with this router (python -m ernie_jax.router) once serving, and again every 5 s (its "
+           "heartbeat)")
+    a("--advertise-url", default=None, metavar="URL",
+      help="the URL the router and peers reach this server at (default: http://HOST:PORT)")
     a("--speculative-config", default=None, metavar="JSON",
       help='MTP speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 1}\' ("ernie_mtp" too; '
            'k from 1 to 4; k > 1 chains the one MTP layer)')
@@ -180,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
             if not self.should_exit:
                 log.info("serving '%s' at http://%s:%d/v1 (ready %.1f s after launch)", name, args.host, args.port,
                          time.perf_counter() - launched)
+                if args.router:
+                    _register(args.router, args.advertise_url or f"http://{args.host}:{args.port}", args.pd_role,
+                              args.api_key)
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                             timeout_graceful_shutdown=args.shutdown_timeout)
@@ -194,6 +204,30 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _register(router: str, url: str, role: str, api_key: str | None, every: float = 5.0) -> None:
+    """Announce this server to the router now and every `every` seconds (the router's heartbeat), from a
+    daemon thread; a router that is away is retried, and told again once back."""
+    import threading
+
+    import httpx
+
+    def run():
+        registered = None
+        while True:
+            try:
+                r = httpx.post(router.rstrip("/") + "/register", json={"url": url, "role": role}, timeout=every,
+                               headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+                ok, why = r.status_code == 200, f"{r.status_code} {r.text[:300]}"
+            except httpx.HTTPError as e:
+                ok, why = False, repr(e)
+            if ok != registered:
+                (log.info if ok else log.warning)("router %s: %s", router,
+                                                  f"registered as {role} at {url}" if ok else f"not registered: {why}")
+                registered = ok
+            time.sleep(every)
+    threading.Thread(target=run, daemon=True, name="ernie-register").start()
+
+
 def _pd_server(engine, args):
     """This server's part in prefill/decode across servers: a KV exporter (prefill) or importer (decode) on
     its one instance's runner."""
@@ -202,7 +236,8 @@ def _pd_server(engine, args):
     pd = PDServer(args.pd_role, kv_load_failure_policy=args.kv_load_failure_policy, api_key=args.api_key)
     inst = engine.instances[-1]
     if args.pd_role == "prefill":
-        pd.exporter = inst.runner.exporter = KVExporter(inst.programs, args.kv_transfer_address)
+        pd.exporter = inst.runner.exporter = KVExporter(inst.programs, args.kv_transfer_address,
+                                                        args.kv_expiry_seconds)
         log.info("pd role prefill: prompts' KV kept for decode servers, transfer server at %s", pd.exporter.address)
     elif args.pd_role == "decode":
         pd.importer = inst.runner.importer = KVImporter(inst.programs, args.kv_transfer_address)

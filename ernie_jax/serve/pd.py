@@ -46,7 +46,8 @@ class PDServer:
         kv = self.exporter or self.importer
         transfers: dict[str, Any] = {}
         if (e := self.exporter) is not None:
-            transfers = {"exported": e.exported, "offered": e.offered, "expired": e.expired, "kept": e.sweep(),
+            kept = e.sweep()  # expired ones counted first
+            transfers = {"exported": e.exported, "offered": e.offered, "expired": e.expired, "kept": kept,
                          "bytes": e.bytes, "seconds": round(e.seconds, 6)}
         elif (i := self.importer) is not None:
             transfers = {"pulled": i.pulled, "failed": i.failed, "recomputed": self.recomputed, "bytes": i.bytes,

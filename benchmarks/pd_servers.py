@@ -1,0 +1,130 @@
+"""Prefill/decode across server processes against PD inside one server, on this machine's CPU devices.
+
+    python benchmarks/pd_servers.py [--setups one,split,split2] [--concurrency 1,16,64] [--out FILE]
+
+Setups (the embedded model; each server sets up its own fake CPU devices):
+- one:    `python -m ernie_jax.serve --mesh 8 --pd-policy static` (prefill on 4 devices, decode on 4, one process)
+- split:  a `--pd-role prefill --mesh 4` server, a `--pd-role decode --mesh 4` server, the router in front
+- split2: a prefill server on 4 devices, two decode servers on 2 each, the router in front
+For each, `python -m ernie_jax.bench serve` at each concurrency (TTFT and TPOT p50 / p99). For `split`, also
+the KV moved per request at several prompt lengths: the prefill server's gather-and-copy seconds and the
+decode server's pull seconds and bytes (from /v1/pd/info), to set against the in-process hand-over
+(benchmarks/kv_transfer.py). On a 2-core machine every process shares the same two cores: the figures show
+the protocol's costs, not a GPU deployment's speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from tests.serving import launch, wait_healthy  # noqa: E402
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+COMMON = ["--max-model-len", "1024", "--max-num-seqs", "16", "--max-num-batched-tokens", "256"]
+
+
+@contextlib.contextmanager
+def setup(name: str):
+    """The servers of a setup, up; yields the URL clients send to."""
+    procs = []
+    try:
+        if name == "one":
+            procs.append(launch("ernie_jax.serve", COMMON + ["--mesh", "8", "--pd-policy", "static"]))
+        else:
+            procs.append(launch("ernie_jax.serve", COMMON + ["--mesh", "4", "--pd-role", "prefill"]))
+            decoders = [["--mesh", "4"]] if name == "split" else [["--mesh", "2"], ["--mesh", "2"]]
+            procs += [launch("ernie_jax.serve", COMMON + d + ["--pd-role", "decode"]) for d in decoders]
+        for p in procs:
+            wait_healthy(p, time.time() + 900)
+        if name == "one":
+            yield procs[0]["url"], procs
+            return
+        router = launch("ernie_jax.router", ["--prefill", procs[0]["url"], "--decode",
+                                             *[p["url"] for p in procs[1:]], "--api-key", KEY])
+        procs.append(router)
+        wait_healthy(router, time.time() + 60)
+        yield router["url"], procs
+    finally:
+        for p in procs:
+            p["proc"].kill()
+            p["proc"].wait()
+
+
+def serve_bench(url: str, concurrency: int) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        n = max(8, 2 * concurrency)
+        subprocess.run([sys.executable, "-m", "ernie_jax.bench", "serve", "--url", url, "--api-key", KEY,
+                        "--num-prompts", str(n), "--concurrency", str(concurrency), "--input-len", "128",
+                        "--output-len", "32", "--warmup", "2", "--json", f.name], check=True, cwd=ROOT,
+                       stdout=subprocess.DEVNULL)
+        m = json.load(open(f.name))
+    return {k: m[k] for k in ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "output_throughput")
+            if k in m}
+
+
+def transfer(procs: list[dict], lengths=(64, 128, 256, 512, 960)) -> list[dict]:
+    """KV moved per request, by prompt length: one request at a time through the router."""
+    prefill, decode, router = procs[0]["url"], procs[1]["url"], procs[-1]["url"]
+    out = []
+    for n in lengths:
+        info = lambda u: httpx.get(u + "/v1/pd/info", headers=AUTH).json()["transfers"]  # noqa: E731
+        p0, d0 = info(prefill), info(decode)
+        reps = 5
+        for i in range(reps):
+            body = {"prompt": [10 + (7 * j + i) % 900 for j in range(n)], "max_tokens": 2, "temperature": 0,
+                    "ignore_eos": True}
+            r = httpx.post(router + "/v1/completions", json=body, headers=AUTH, timeout=300)
+            r.raise_for_status()
+        p1, d1 = info(prefill), info(decode)
+        mb = (d1["bytes"] - d0["bytes"]) / reps / 1e6
+        pull = (d1["seconds"] - d0["seconds"]) / reps
+        out.append({"prompt_tokens": n, "MB": round(mb, 3), "gather_ms": round((p1["seconds"] - p0["seconds"])
+                                                                             / reps * 1e3, 2),
+                    "pull_ms": round(pull * 1e3, 2), "GB/s": round(mb / 1e3 / pull, 3) if pull else None})
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--setups", default="one,split,split2")
+    ap.add_argument("--concurrency", default="1,16,64")
+    ap.add_argument("--out", default=None, help="write the results as JSON")
+    args = ap.parse_args()
+    results = {}
+    for name in args.setups.split(","):
+        with setup(name) as (url, procs):
+            r = {"serve": {c: serve_bench(url, int(c)) for c in args.concurrency.split(",")}}
+            if name == "split":
+                r["transfer"] = transfer(procs)
+            results[name] = r
+            print(name, json.dumps(r), flush=True)
+    print("| setup | concurrency | TTFT p50 / p99 ms | TPOT p50 / p99 ms | output tok/s |")
+    print("|---|---|---|---|---|")
+    for name, r in results.items():
+        for c, m in r["serve"].items():
+            print(f"| {name} | {c} | {m['p50_ttft_ms']:.0f} / {m['p99_ttft_ms']:.0f} | "
+                  f"{m['p50_tpot_ms']:.1f} / {m['p99_tpot_ms']:.1f} | {m['output_throughput']:.1f} |")
+    if "split" in results:
+        print("\n| prompt tokens | KV MB | gather+copy ms (prefill) | pull ms (decode) | pull GB/s |")
+        print("|---|---|---|---|---|")
+        for t in results["split"]["transfer"]:
+            print(f"| {t['prompt_tokens']} | {t['MB']} | {t['gather_ms']} | {t['pull_ms']} | {t['GB/s']} |")
+    if args.out:
+        json.dump(results, open(args.out, "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
