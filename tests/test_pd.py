@@ -79,6 +79,25 @@ def test_policy_targets():
     assert PDPolicy("dynamic").admit_seats(view("decode", running=5), 3, busy, oldest_wait=1.5) == 0
 
 
+def test_role_switching_across_servers_uses_the_same_rules():
+    """The router's choice for a new request (router/routing.whole_on) over two servers' published views:
+    a role server's instance is "mixed" at home; the router gives it its role."""
+    from ernie_jax.router.routing import whole_on
+    view = lambda prefilling=0, running=0, free=100: InstanceView(  # noqa: E731
+        "mixed", "mixed", prefilling, running, 0, 8, free, 100)
+    dyn, static = PDPolicy("dynamic"), PDPolicy("static")
+    # static: always split
+    assert whole_on(static, view(prefilling=2), 5, view()) is None
+    assert whole_on(static, view(), 0, view(running=4)) is None
+    # the prefill server is busy prefilling with prompts queued: the decode server takes it while half empty
+    assert whole_on(dyn, view(prefilling=2), 3, view(running=1)) == "decode"
+    assert whole_on(dyn, view(prefilling=2), 3, view(running=5)) is None  # over half full: split
+    assert whole_on(dyn, view(prefilling=2), 3, view(running=1, free=10)) is None  # short of pages: split
+    # the prefill server is idle: it decodes what it prefills while decoding stays even, else splits
+    assert whole_on(dyn, view(), 0, view(running=4)) == "prefill"
+    assert whole_on(dyn, view(running=3), 0, view(running=0)) is None
+
+
 def test_roles_switch_and_outputs_match_colocated_and_static():
     """A prefill-only burst makes the decode instance prefill, a decode-only load makes the prefill instance
     decode; greedy tokens equal the colocated and static-PD ones and every page ends free."""

@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from ernie_jax.engine.policy import InstanceView
+
 
 @dataclasses.dataclass(frozen=True)
 class PoolStats:
@@ -35,6 +37,7 @@ class EngineStats:
     kv_transfer: tuple[float, int] | None  # PD: (seconds, bytes) moved prefill -> decode
     spec_decode: dict[str, Any] | None  # speculative decoding counters (SpecDecodeStats.report)
     eplb: dict[str, Any] | None  # {"balancedness": per MoE layer, "rebalances": n}
+    views: dict[str, InstanceView]  # what the PD policy sees of each instance (a router's policy too)
 
 
 COUNTERS = ("num_preemptions", "prefix_queries", "prefix_hits", "prefill_tokens")
@@ -56,4 +59,4 @@ def snapshot(engine) -> EngineStats:
                        (transfer.seconds, transfer.bytes) if transfer is not None else None,
                        engine.spec_stats.report() if engine.speculative else None,
                        {"balancedness": list(balancer.current_balancedness()), "rebalances": balancer.rebalances}
-                       if balancer is not None else None)
+                       if balancer is not None else None, {i.name: i.view() for i in insts})

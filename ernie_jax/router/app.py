@@ -1,293 +1,20 @@
-"""The router: one OpenAI-compatible endpoint in front of prefill, decode and mixed servers.
-
-`python -m ernie_jax.router --prefill URL... --decode URL... [--mixed URL...]` (SGLang's
-`--pd-disaggregation --prefill/--decode`, FastDeploy's router). At start it asks every server for its role,
-model and KV layout (`/v1/pd/info`) and refuses a server whose role differs from its flag, or a prefill and a
-decode server whose KV layouts differ, naming the mismatch.
-
-A completion or chat request with one prompt and n = 1 goes to a prefill server (the one with the fewest
-requests the router has in flight there) with `kv_transfer_params: {"do_remote_decode": true}` and
-max_tokens 1; its answer names where the prompt's KV is, and the original request goes to a decode server
-(fewest in flight) with those parameters and the prefill server's URL; the decode server's answer, streamed
-or not, is passed through as it arrives. When the first token already ended the request (the prefill server
-kept no KV) the whole request goes to the decode server. Other requests (several prompts, n > 1, prompt
-logprobs) go whole to a mixed server, or to a decode server: role servers are complete engines. Errors of a
-server are passed through unchanged; a server that does not answer is a 502 naming it.
-"""
+"""`python -m ernie_jax.router`: the router's HTTP routes (OpenAI's, /health, /metrics, /register) and its
+command line; what it decides is router/routing.py."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
-import json
 import logging
-import time
-from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
+
+from ernie_jax.engine.policy import PDPolicy
+from ernie_jax.router.routing import Router, RouterError, error_response
 
 log = logging.getLogger("ernie_jax.router")
-
-
-class RouterError(RuntimeError):
-    """A server the router was given cannot be used; the message names it and why."""
-
-
-class _Unreachable(Exception):
-    """A server did not answer (nothing was sent to the client yet)."""
-
-
-class Backend:
-    def __init__(self, url: str, role: str, registered: bool = False):
-        self.url, self.role, self.registered = url.rstrip("/"), role, registered
-        self.in_flight = 0
-        self.routed = 0
-        self.failures = 0
-        self.info: dict = {}
-        self.up = True
-        self.misses = 0  # heartbeats missed in a row
-        self.last_seen = time.monotonic()
-
-    def seen(self) -> None:
-        if not self.up:
-            log.info("%s server %s is back", self.role, self.url)
-        self.up, self.misses, self.last_seen = True, 0, time.monotonic()
-
-    def missed(self, why: str, at_once: bool = False) -> None:
-        """A heartbeat or a request it did not answer; at_once: it refused the connection (down now)."""
-        self.misses = max(self.misses + 1, 2 if at_once else 0)
-        if self.up and self.misses >= 2:
-            self.up = False
-            log.warning("%s server %s is down (%s): not routed to until it answers again", self.role, self.url, why)
-
-
-class Router:
-    def __init__(self, prefill: list[str], decode: list[str], mixed: list[str], api_key: str | None = None,
-                 timeout: float = 600.0, heartbeat: float = 5.0):
-        self.backends = [Backend(u, "prefill") for u in prefill] + [Backend(u, "decode") for u in decode] + \
-            [Backend(u, "mixed") for u in mixed]
-        self.api_key, self.timeout, self.heartbeat = api_key, timeout, heartbeat
-        self.counts: collections.Counter = collections.Counter()  # routing decisions
-        self.seconds: collections.Counter = collections.Counter()  # prefill-leg seconds
-        self.client: httpx.AsyncClient | None = None
-
-    def of(self, role: str) -> list[Backend]:
-        """The servers of a role that are up."""
-        return [b for b in self.backends if b.role == role and b.up]
-
-    def check(self) -> None:
-        """Each server's role and KV layout, read from /v1/pd/info (RouterError naming the mismatch)."""
-        for b in self.backends:
-            try:
-                r = httpx.get(b.url + "/v1/pd/info", headers=self._headers(None), timeout=10)
-            except httpx.HTTPError as e:
-                raise RouterError(f"{b.role} server {b.url} does not answer: {e!r}") from None
-            self._admit(b, r)
-
-    def _admit(self, b: Backend, r: httpx.Response) -> None:
-        """b's /v1/pd/info answer checked against its role and the other servers (RouterError naming why)."""
-        if r.status_code != 200:
-            raise RouterError(f"{b.role} server {b.url}: /v1/pd/info answered {r.status_code} {r.text[:200]}")
-        info = r.json()
-        if info.get("role") != b.role:
-            raise RouterError(f"{b.url} serves as {info.get('role')!r}, not as {b.role!r} (its --pd-role)")
-        for other in self.backends:
-            if other is b or not other.info:
-                continue
-            if other.info.get("model") != info.get("model"):
-                raise RouterError(f"{b.url} serves {info.get('model')!r}, {other.url} serves "
-                                  f"{other.info.get('model')!r}")
-            theirs, mine = other.info.get("kv_layout"), info.get("kv_layout")
-            if b.role != "mixed" and other.role != "mixed" and theirs != mine:
-                raise RouterError(f"{b.url} keeps its KV in another layout than {other.url} (model, block size, KV "
-                                  f"dtype or MTP differ): {_layout_diff(theirs, mine)}")
-        b.info = info
-
-    async def register(self, url: Any, role: Any) -> dict:
-        """A server announcing itself (and its heartbeat): added, or marked up again."""
-        if role not in ("prefill", "decode", "mixed") or not isinstance(url, str) or not url.startswith("http"):
-            raise RouterError(f"register needs a role (prefill, decode or mixed) and an http URL; got role {role!r}, "
-                              f"url {url!r}")
-        b = next((x for x in self.backends if x.url == url.rstrip("/")), None)
-        if b is not None and b.role == role and b.up:
-            b.seen()
-            return {"registered": b.url, "role": role, "new": False}
-        candidate = Backend(url, role, registered=True)
-        try:
-            r = await self.client.get(candidate.url + "/v1/pd/info", headers=self._headers(None), timeout=10)
-        except httpx.HTTPError as e:
-            raise RouterError(f"{url} registered as {role} but does not answer: {e!r}") from None
-        if b is not None:  # down, or restarted with another role: checked again, as a new server
-            self.backends.remove(b)
-        try:
-            self._admit(candidate, r)
-        except RouterError:
-            if b is not None:
-                self.backends.append(b)
-            raise
-        self.backends.append(candidate)
-        log.info("%s server %s registered", role, candidate.url)
-        return {"registered": candidate.url, "role": role, "new": True}
-
-    async def watch(self) -> None:
-        """Every heartbeat: a server given on the command line is asked for /health; a registered one must
-        have registered again within two heartbeats. Two misses mark a server down; an answer marks it up."""
-        while True:
-            await asyncio.sleep(self.heartbeat)
-            for b in list(self.backends):
-                if b.registered:
-                    if time.monotonic() - b.last_seen > 2 * self.heartbeat:
-                        b.misses = max(b.misses, 1)
-                        b.missed(f"no heartbeat for {time.monotonic() - b.last_seen:.0f} s")
-                    continue
-                try:
-                    ok = (await self.client.get(b.url + "/health", timeout=self.heartbeat)).status_code == 200
-                except httpx.HTTPError:
-                    ok = False
-                b.seen() if ok else b.missed("/health did not answer 200")
-
-    def _headers(self, request: Request | None) -> dict:
-        auth = request.headers.get("authorization") if request is not None else None
-        if auth is None and self.api_key:
-            auth = f"Bearer {self.api_key}"
-        return {"Authorization": auth} if auth else {}
-
-    @staticmethod
-    def pick(backends: list[Backend]) -> Backend:
-        return min(backends, key=lambda b: (b.in_flight, b.routed))
-
-    async def route(self, path: str, request: Request) -> Response:
-        try:
-            body = await request.json()
-        except ValueError:
-            return _error("the request body is not valid JSON", 400)
-        if not isinstance(body, dict):
-            return _error("the request body must be a JSON object", 400)
-        headers = self._headers(request)
-        if not any(b.up for b in self.backends):
-            return _error("no server is up behind this router", 503)
-        split = (self.of("prefill") and self.of("decode") and body.get("n", 1) == 1
-                 and not body.get("echo") and not body.get("prompt_logprobs")
-                 and (path.endswith("chat/completions") or isinstance(body.get("prompt"), str)
-                      or (isinstance(body.get("prompt"), list) and body["prompt"]
-                          and isinstance(body["prompt"][0], int))))
-        if not split:  # role servers are whole engines: with one side down, the other serves whole requests
-            whole = self.of("mixed") or self.of("decode") or self.of("prefill")
-            self.counts["whole"] += 1
-            return await self._send(self.pick(whole), path, body, headers)
-        prefill, decode = self.pick(self.of("prefill")), self.pick(self.of("decode"))
-        first = {**body, "stream": False, "kv_transfer_params": {"do_remote_decode": True}, "max_tokens": 1}
-        first.pop("stream_options", None)
-        first.pop("max_completion_tokens", None)
-        t0 = time.perf_counter()
-        prefill.in_flight += 1
-        try:
-            r = await self.client.post(prefill.url + path, json=first, headers=headers)
-        except httpx.HTTPError as e:
-            prefill.failures += 1
-            prefill.missed(repr(e), at_once=isinstance(e, httpx.ConnectError))
-            rest = self.of("decode") or self.of("mixed") or self.of("prefill")
-            if isinstance(e, httpx.ConnectError) and rest:  # nothing was computed: served whole elsewhere
-                self.counts["rerouted"] += 1
-                return await self._send(self.pick(rest), path, body, headers)
-            return _error(f"the prefill server {prefill.url} did not answer: {e!r}", 502)
-        finally:
-            prefill.in_flight -= 1
-        prefill.routed += 1
-        self.seconds["prefill"] += time.perf_counter() - t0
-        if r.status_code != 200:  # the request's own error, as the server said it
-            return Response(r.content, status_code=r.status_code, media_type="application/json")
-        kv = r.json().get("kv_transfer_params")
-        if not kv:  # its first token ended it there: nothing to continue from
-            self.counts["whole"] += 1
-            return await self._send(decode, path, body, headers)
-        self.counts["split"] += 1
-        second = {**body, "kv_transfer_params": {**kv, "remote_url": prefill.url}}
-        try:
-            return await self._forward(decode, path, second, headers)
-        except _Unreachable as e:
-            rest = self.of("decode") or self.of("mixed") or self.of("prefill")
-            if not rest:
-                return _error(str(e), 502)
-            # nothing reached the client: served whole elsewhere (the prefill server's copy of the KV expires)
-            self.counts["rerouted"] += 1
-            return await self._send(self.pick(rest), path, body, headers)
-
-    async def _send(self, b: Backend, path: str, body: dict, headers: dict) -> Response:
-        try:
-            return await self._forward(b, path, body, headers)
-        except _Unreachable as e:
-            return _error(str(e), 502)
-
-    async def _forward(self, b: Backend, path: str, body: dict, headers: dict) -> Response:
-        """body to server b; its answer passed through (streamed as it arrives when body asks to stream)."""
-        b.in_flight += 1
-        b.routed += 1
-        try:
-            if not body.get("stream"):
-                try:
-                    r = await self.client.post(b.url + path, json=body, headers=headers)
-                except httpx.HTTPError as e:
-                    b.failures += 1
-                    b.missed(repr(e), at_once=isinstance(e, httpx.ConnectError))
-                    raise _Unreachable(f"the {b.role} server {b.url} did not answer: {e!r}") from None
-                return Response(r.content, status_code=r.status_code, media_type="application/json")
-            req = self.client.build_request("POST", b.url + path, json=body, headers=headers)
-            try:
-                r = await self.client.send(req, stream=True)
-            except httpx.HTTPError as e:
-                b.failures += 1
-                b.missed(repr(e), at_once=isinstance(e, httpx.ConnectError))
-                raise _Unreachable(f"the {b.role} server {b.url} did not answer: {e!r}") from None
-            if r.status_code != 200:
-                content = await r.aread()
-                await r.aclose()
-                return Response(content, status_code=r.status_code, media_type="application/json")
-            b.in_flight += 1  # held until the stream ends
-            return StreamingResponse(self._relay(b, r), media_type="text/event-stream")
-        finally:
-            b.in_flight -= 1
-
-    async def _relay(self, b: Backend, r: httpx.Response):
-        try:
-            async for chunk in r.aiter_raw():
-                yield chunk
-        except httpx.HTTPError as e:  # the server went away mid-stream: the client gets an error event
-            b.failures += 1
-            b.missed(repr(e))
-            error = {"error": {"message": f"the {b.role} server {b.url} failed mid-stream: {e!r}",
-                               "type": "server_error", "code": 502}}
-            yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
-        finally:
-            b.in_flight -= 1
-            await r.aclose()
-
-    def metrics(self) -> str:
-        lines = []
-        for b in self.backends:
-            label = f'url="{b.url}",role="{b.role}"'
-            lines += [f"ernie_jax_router:up{{{label}}} {int(b.up)}",
-                      f"ernie_jax_router:in_flight{{{label}}} {b.in_flight}",
-                      f"ernie_jax_router:routed_total{{{label}}} {b.routed}",
-                      f"ernie_jax_router:failures_total{{{label}}} {b.failures}"]
-        lines += [f'ernie_jax_router:requests_total{{path="{k}"}} {v}' for k, v in sorted(self.counts.items())]
-        lines.append(f"ernie_jax_router:prefill_seconds_total {self.seconds['prefill']:.6f}")
-        return "\n".join(lines) + "\n"
-
-
-def _layout_diff(a: dict | None, b: dict | None) -> str:
-    if a is None or b is None:
-        return "one of them keeps no KV for transfer"
-    return "; ".join(f"{k}: {a.get(k)!r} against {b.get(k)!r}" for k in sorted(set(a) | set(b))
-                     if a.get(k) != b.get(k))[:500]
-
-
-def _error(message: str, status: int) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error" if status < 500 else
-                                   "server_error", "param": None, "code": status}}, status_code=status)
 
 
 def create_app(router: Router) -> FastAPI:
@@ -305,9 +32,9 @@ def create_app(router: Router) -> FastAPI:
             body = await request.json()
             return JSONResponse(await router.register(body.get("url"), body.get("role")))
         except (ValueError, AttributeError):
-            return _error("register needs a JSON object {\"url\": ..., \"role\": ...}", 400)
+            return error_response("register needs a JSON object {\"url\": ..., \"role\": ...}", 400)
         except RouterError as e:
-            return _error(str(e), 400)
+            return error_response(str(e), 400)
 
     @app.on_event("shutdown")
     async def _stop():
@@ -317,7 +44,7 @@ def create_app(router: Router) -> FastAPI:
     async def health() -> Response:
         """200 while some server is up (with one role down, the other serves whole requests)."""
         if not any(b.up for b in router.backends):
-            return _error(f"no server is up (known: {[b.url for b in router.backends]})", 503)
+            return error_response(f"no server is up (known: {[b.url for b in router.backends]})", 503)
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -328,11 +55,11 @@ def create_app(router: Router) -> FastAPI:
     async def models(request: Request) -> Response:
         up = router.of("decode") + router.of("mixed") + router.of("prefill")
         if not up:
-            return _error("no server is up behind this router", 503)
+            return error_response("no server is up behind this router", 503)
         try:
             r = await router.client.get(up[0].url + "/v1/models", headers=router._headers(request))
         except httpx.HTTPError as e:
-            return _error(f"{up[0].url} did not answer: {e!r}", 502)
+            return error_response(f"{up[0].url} did not answer: {e!r}", 502)
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
     @app.post("/v1/completions")
@@ -348,20 +75,25 @@ def create_app(router: Router) -> FastAPI:
 
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
-    ap = argparse.ArgumentParser(prog="python -m ernie_jax.router", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ernie_jax.router", description="The router in front of prefill, decode and mixed servers.")
     ap.add_argument("--prefill", nargs="*", default=[], metavar="URL", help="servers started with --pd-role prefill")
     ap.add_argument("--decode", nargs="*", default=[], metavar="URL", help="servers started with --pd-role decode")
     ap.add_argument("--mixed", nargs="*", default=[], metavar="URL", help="servers that serve whole requests")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--api-key", default=None, help="sent to the servers when a client sends none")
+    ap.add_argument("--pd-policy", default="static", choices=["static", "dynamic"],
+                    help="static: every request is split between a prefill and a decode server; dynamic: the PD "
+                         "policy of one server across servers (a decode server prefills prompts whole while the "
+                         "prefill servers are busy, a prefill server decodes what it prefilled while it is idle)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds a server may take to answer")
     ap.add_argument("--heartbeat", type=float, default=5.0, help="seconds between health checks (servers that "
                     "register themselves send theirs); two missed mark a server down")
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    router = Router(args.prefill, args.decode, args.mixed, args.api_key, args.timeout, args.heartbeat)
+    router = Router(args.prefill, args.decode, args.mixed, args.api_key, args.timeout, args.heartbeat,
+                    PDPolicy(args.pd_policy))
     try:
         router.check()
     except RouterError as e:

@@ -32,7 +32,7 @@ from ernie_jax.engine.output_processor import check_requests, samples
 from ernie_jax.engine.outputs import RequestOutput
 from ernie_jax.sampling import SamplingParams
 from ernie_jax.serve.metrics import ServerMetrics
-from ernie_jax.serve.pd import PDServer
+from ernie_jax.serve.pd import PDServer, add_pd_routes
 from ernie_jax.serve.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, error_body
 from ernie_jax.tokenizer import ChatTemplateError, Tokenizer
 
@@ -132,19 +132,7 @@ def create_app(server: Server) -> FastAPI:
             raise ProtocolError("this server has no redundant experts; start it with --eplb-config",
                                 status=400) from None
 
-    @app.get("/v1/pd/info")
-    async def pd_info() -> dict:
-        """Prefill/decode across servers: this server's role, model and KV layout (serve/pd.py)."""
-        return server.pd.info(server.model_name)
-
-    @app.post("/v1/pd/kv/offer")
-    async def pd_offer(request: Request) -> dict:
-        """A decode server asks for a request's KV: it is handed to the transfer server for one pull."""
-        try:
-            body = await request.json()
-        except ValueError:
-            raise ProtocolError("the request body is not valid JSON") from None
-        return await asyncio.to_thread(server.pd.offer, body.get("request_id") if isinstance(body, dict) else None)
+    add_pd_routes(app, server)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

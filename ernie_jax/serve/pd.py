@@ -3,7 +3,8 @@
 `--pd-role prefill` servers export a prompt's KV for a request whose `kv_transfer_params` say
 `do_remote_decode`; `--pd-role decode` servers take a request whose parameters say `do_remote_prefill`, pull its
 KV from the prefill server named by `remote_url` and decode it. `/v1/pd/info` tells a router (or a peer) the
-role, the model and the KV layout; `/v1/pd/kv/offer` is what a decode server calls on a prefill server.
+role, the model and the KV layout, `/v1/pd/load` what a router's PD policy sees of it; `/v1/pd/kv/offer` is
+what a decode server calls on a prefill server.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 from typing import Any
 
 import httpx
+from fastapi import Request
 
 from ernie_jax.engine.kv_connector import KV_LOAD_FAILURE_POLICIES, KVExporter, KVImporter, KVLayout, KVTransferError
 from ernie_jax.engine.step import Prefilled
@@ -144,3 +146,28 @@ class PDServer:
         self.recomputed += 1
         log.warning("the KV of %s could not be loaded from %s (%s): recomputing its prompt here", rid, url, why)
         return None
+
+
+def add_pd_routes(app, server) -> None:
+    """/v1/pd/info, /v1/pd/load and /v1/pd/kv/offer on a server's app (server: serve/api.Server)."""
+
+    @app.get("/v1/pd/info")
+    async def pd_info() -> dict:
+        """This server's role, model and KV layout, and its transfer counters."""
+        return server.pd.info(server.model_name)
+
+    @app.get("/v1/pd/load")
+    async def pd_load() -> dict:
+        """What a router's PD policy sees of this server: its instance (engine/policy.InstanceView, as the
+        last published stats have it) and the prompts waiting."""
+        stats = server.engine.stats()
+        return {"view": dataclasses.asdict(list(stats.views.values())[-1]), "waiting": stats.num_waiting}
+
+    @app.post("/v1/pd/kv/offer")
+    async def pd_offer(request: Request) -> dict:
+        """A decode server asks for a request's KV: it is handed to the transfer server for one pull."""
+        try:
+            body = await request.json()
+        except ValueError:
+            raise ProtocolError("the request body is not valid JSON") from None
+        return await asyncio.to_thread(server.pd.offer, body.get("request_id") if isinstance(body, dict) else None)
