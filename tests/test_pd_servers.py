@@ -23,15 +23,20 @@ EXPIRY = 8  # seconds the prefill server keeps an unpulled prompt's KV (the rout
 
 @pytest.fixture(scope="module")
 def cluster():
-    with running_servers([COMMON + ["--pd-role", "prefill", "--kv-expiry-seconds", str(EXPIRY)],
-                          COMMON + ["--pd-role", "decode"]]) as (p, d):
-        router = launch("ernie_jax.router", ["--prefill", p["url"], "--decode", d["url"], "--api-key", KEY])
-        try:
-            wait_healthy(router, time.time() + 60)
+    """A router started with no servers, and a prefill and a decode server that register with it."""
+    router = launch("ernie_jax.router", ["--api-key", KEY, "--heartbeat", "2"])
+    join = ["--router", router["url"]]
+    try:
+        with running_servers([COMMON + join + ["--pd-role", "prefill", "--kv-expiry-seconds", str(EXPIRY)],
+                              COMMON + join + ["--pd-role", "decode"]]) as (p, d):
+            deadline = time.time() + 60
+            while metric(metrics(router["url"]), "ernie_jax_router:up") < 2:
+                assert time.time() < deadline, "the servers did not register with the router"
+                time.sleep(0.5)
             yield {"prefill": p, "decode": d, "router": router}
-        finally:
-            router["proc"].kill()
-            router["proc"].wait()
+    finally:
+        router["proc"].kill()
+        router["proc"].wait()
 
 
 def _client(url: str) -> openai.OpenAI:

@@ -136,7 +136,7 @@ class Router:
         b = next((x for x in self.backends if x.url == url.rstrip("/")), None)
         if b is not None and b.role == role and b.up:
             b.seen()
-            return {"registered": b.url, "role": role, "new": False}
+            return {"registered": b.url, "role": role, "new": False, "heartbeat": self.heartbeat}
         candidate = Backend(url, role, registered=True)
         try:
             r = await self.client.get(candidate.url + "/v1/pd/info", headers=self._headers(None), timeout=10)
@@ -152,7 +152,7 @@ class Router:
             raise
         self.backends.append(candidate)
         log.info("%s server %s registered", role, candidate.url)
-        return {"registered": candidate.url, "role": role, "new": True}
+        return {"registered": candidate.url, "role": role, "new": True, "heartbeat": self.heartbeat}
 
     async def watch(self) -> None:
         """Every heartbeat: a server given on the command line is asked for /health; a registered one must

@@ -56,8 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       help="--pd-role decode: when a request's KV cannot be pulled (after one retry), recompute its prompt here "
            "or fail the request (vLLM's name)")
     a("--router", default=None, metavar="URL",
-      help="register with this router (python -m ernie_jax.router) once serving, and again every 5 s (its "
-           "heartbeat)")
+      help="register with this router (python -m ernie_jax.router) once serving, and again at each of its "
+           "heartbeats (5 s by default)")
     a("--advertise-url", default=None, metavar="URL",
       help="the URL the router and peers reach this server at (default: http://HOST:PORT)")
     a("--speculative-config", default=None, metavar="JSON",
@@ -205,26 +205,29 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _register(router: str, url: str, role: str, api_key: str | None, every: float = 5.0) -> None:
-    """Announce this server to the router now and every `every` seconds (the router's heartbeat), from a
-    daemon thread; a router that is away is retried, and told again once back."""
+    """Announce this server to the router now and every heartbeat (the router's answer says how often; `every`
+    seconds until it has answered), from a daemon thread; a router that is away is retried, and told again
+    once back."""
     import threading
 
     import httpx
 
     def run():
-        registered = None
+        registered, interval = None, every
         while True:
             try:
-                r = httpx.post(router.rstrip("/") + "/register", json={"url": url, "role": role}, timeout=every,
+                r = httpx.post(router.rstrip("/") + "/register", json={"url": url, "role": role}, timeout=interval,
                                headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
                 ok, why = r.status_code == 200, f"{r.status_code} {r.text[:300]}"
+                if ok:
+                    interval = float(r.json().get("heartbeat", interval))
             except httpx.HTTPError as e:
                 ok, why = False, repr(e)
             if ok != registered:
                 (log.info if ok else log.warning)("router %s: %s", router,
                                                   f"registered as {role} at {url}" if ok else f"not registered: {why}")
                 registered = ok
-            time.sleep(every)
+            time.sleep(interval)
     threading.Thread(target=run, daemon=True, name="ernie-register").start()
 
 
