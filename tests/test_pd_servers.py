@@ -99,6 +99,31 @@ def test_kv_not_pulled_in_time_expires_and_its_pages_are_free(cluster):
     assert r.status_code == 404 and "expired" in r.json()["error"]["message"]
 
 
+def test_a_server_switches_its_role_through_the_router_and_back(cluster):
+    """POST /pd_role_switch drains the prefill server and makes it a decode server (weights, programs and pool
+    kept): with no prefill server the router serves requests whole; switched back, it splits them again."""
+    r, p, d = cluster["router"]["url"], cluster["prefill"]["url"], cluster["decode"]["url"]
+    kw = dict(model=EMBEDDED_MODEL_NAME, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    want = _client(d).completions.create(prompt=PROMPTS[1], **kw).choices[0].text
+    count = lambda path: metric(metrics(r), "ernie_jax_router:requests_total", path=path)  # noqa: E731
+    switched = httpx.post(r + "/pd_role_switch", json={"url": p, "role": "decode"}, headers=AUTH, timeout=120)
+    assert switched.status_code == 200 and switched.json()["previous"] == "prefill", switched.text
+    assert httpx.get(p + "/v1/pd/info", headers=AUTH).json()["role"] == "decode"
+    whole = count("whole")
+    assert _client(r).completions.create(prompt=PROMPTS[1], **kw).choices[0].text == want
+    assert count("whole") == whole + 1
+    bad = httpx.post(p + "/v1/completions", headers=AUTH, json={"model": EMBEDDED_MODEL_NAME, "prompt": "x",
+                                                                "kv_transfer_params": {"do_remote_decode": True}})
+    assert bad.status_code == 400 and "--pd-role prefill" in bad.json()["error"]["message"]
+    back = httpx.post(r + "/pd_role_switch", json={"url": p, "role": "prefill"}, headers=AUTH, timeout=120)
+    assert back.status_code == 200 and back.json()["previous"] == "decode", back.text
+    split = count("split")
+    assert _client(r).completions.create(prompt=PROMPTS[1], **kw).choices[0].text == want
+    assert count("split") == split + 1
+    wrong = httpx.post(r + "/pd_role_switch", json={"url": p, "role": "sometimes"}, headers=AUTH)
+    assert wrong.status_code == 400 and "role 'sometimes'" in wrong.text
+
+
 def test_the_router_refuses_a_server_in_another_role(cluster):
     p = cluster["prefill"]["url"]
     out = subprocess.run([sys.executable, "-m", "ernie_jax.router", "--prefill", p, "--decode", p, "--api-key", KEY,

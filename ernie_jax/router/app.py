@@ -40,6 +40,16 @@ def create_app(router: Router) -> FastAPI:
     async def _stop():
         await router.client.aclose()
 
+    @app.post("/pd_role_switch")
+    async def pd_role_switch(request: Request) -> Response:
+        """Drain a server and change its role: {"url": ..., "role": "prefill" | "decode" | "mixed", "timeout": s}."""
+        try:
+            body = await request.json()
+            url, role, timeout = body.get("url"), body.get("role"), float(body.get("timeout", 60))
+        except (ValueError, AttributeError, TypeError):
+            return error_response('the body must be a JSON object {"url": ..., "role": ..., "timeout": seconds}', 400)
+        return await router.switch_role(url, role, timeout, router._headers(request))
+
     @app.get("/health")
     async def health() -> Response:
         """200 while some server is up (with one role down, the other serves whole requests)."""

@@ -69,6 +69,7 @@ class Backend:
         self.failures = 0
         self.info: dict = {}
         self.up = True
+        self.draining = False  # a role switch is under way: not routed to
         self.misses = 0  # heartbeats missed in a row
         self.last_seen = time.monotonic()
 
@@ -98,7 +99,7 @@ class Router:
 
     def of(self, role: str) -> list[Backend]:
         """The servers of a role that are up."""
-        return [b for b in self.backends if b.role == role and b.up]
+        return [b for b in self.backends if b.role == role and b.up and not b.draining]
 
     def check(self) -> None:
         """Each server's role and KV layout, read from /v1/pd/info (RouterError naming the mismatch)."""
@@ -153,6 +154,32 @@ class Router:
         self.backends.append(candidate)
         log.info("%s server %s registered", role, candidate.url)
         return {"registered": candidate.url, "role": role, "new": True, "heartbeat": self.heartbeat}
+
+    async def switch_role(self, url: Any, role: Any, timeout: float, headers: dict) -> Response:
+        """POST /pd_role_switch: stop routing to the server, have it drain and change its role, route to it in
+        its new role (its answer passed through when it refuses)."""
+        b = next((x for x in self.backends if isinstance(url, str) and x.url == url.rstrip("/")), None)
+        if b is None:
+            return error_response(f"no server {url!r} behind this router (known: {[x.url for x in self.backends]})",
+                                  404)
+        b.draining = True
+        try:
+            r = await self.client.post(b.url + "/pd_role_switch", json={"role": role, "timeout": timeout},
+                                       headers=headers, timeout=timeout + 30)
+            if r.status_code == 200:
+                b.role = role
+                info = await self.client.get(b.url + "/v1/pd/info", headers=headers, timeout=10)
+                try:
+                    self._admit(b, info)
+                except RouterError as e:
+                    b.up = False
+                    return error_response(f"{b.url} switched to {role} but cannot serve beside the others: {e}", 409)
+                self.counts[f"role_switch_to_{role}"] += 1
+            return Response(r.content, status_code=r.status_code, media_type="application/json")
+        except httpx.HTTPError as e:
+            return error_response(f"{b.url} did not answer the role switch: {e!r}", 502)
+        finally:
+            b.draining = False
 
     async def watch(self) -> None:
         """Every heartbeat: a server given on the command line is asked for /health; a registered one must

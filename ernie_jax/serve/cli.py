@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                 log.info("serving '%s' at http://%s:%d/v1 (ready %.1f s after launch)", name, args.host, args.port,
                          time.perf_counter() - launched)
                 if args.router:
-                    _register(args.router, args.advertise_url or f"http://{args.host}:{args.port}", args.pd_role,
+                    _register(args.router, args.advertise_url or f"http://{args.host}:{args.port}", pd,
                               args.api_key)
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
@@ -204,10 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _register(router: str, url: str, role: str, api_key: str | None, every: float = 5.0) -> None:
+def _register(router: str, url: str, pd, api_key: str | None, every: float = 5.0) -> None:
     """Announce this server to the router now and every heartbeat (the router's answer says how often; `every`
     seconds until it has answered), from a daemon thread; a router that is away is retried, and told again
-    once back."""
+    once back. pd: the server's PDServer (its role now, after any role switch)."""
     import threading
 
     import httpx
@@ -216,7 +216,7 @@ def _register(router: str, url: str, role: str, api_key: str | None, every: floa
         registered, interval = None, every
         while True:
             try:
-                r = httpx.post(router.rstrip("/") + "/register", json={"url": url, "role": role}, timeout=interval,
+                r = httpx.post(router.rstrip("/") + "/register", json={"url": url, "role": pd.role}, timeout=interval,
                                headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
                 ok, why = r.status_code == 200, f"{r.status_code} {r.text[:300]}"
                 if ok:
@@ -225,7 +225,7 @@ def _register(router: str, url: str, role: str, api_key: str | None, every: floa
                 ok, why = False, repr(e)
             if ok != registered:
                 (log.info if ok else log.warning)("router %s: %s", router,
-                                                  f"registered as {role} at {url}" if ok else f"not registered: {why}")
+                                                  f"registered as {pd.role} at {url}" if ok else f"not registered: {why}")
                 registered = ok
             time.sleep(interval)
     threading.Thread(target=run, daemon=True, name="ernie-register").start()
@@ -233,18 +233,28 @@ def _register(router: str, url: str, role: str, api_key: str | None, every: floa
 
 def _pd_server(engine, args):
     """This server's part in prefill/decode across servers: a KV exporter (prefill) or importer (decode) on
-    its one instance's runner."""
+    its one instance's runner, each built when its role first needs it (at start, or at a role switch)."""
     from ernie_jax.engine.kv_connector import KVExporter, KVImporter
     from ernie_jax.serve.pd import PDServer
-    pd = PDServer(args.pd_role, kv_load_failure_policy=args.kv_load_failure_policy, api_key=args.api_key)
     inst = engine.instances[-1]
+
+    def exporter():
+        inst.runner.exporter = KVExporter(inst.programs, args.kv_transfer_address, args.kv_expiry_seconds)
+        log.info("prompts' KV kept for decode servers, transfer server at %s", inst.runner.exporter.address)
+        return inst.runner.exporter
+
+    def importer():
+        inst.runner.importer = KVImporter(inst.programs, args.kv_transfer_address)
+        log.info("KV pulled from prefill servers (on failure: %s)", args.kv_load_failure_policy)
+        return inst.runner.importer
+
+    pd = PDServer(args.pd_role, kv_load_failure_policy=args.kv_load_failure_policy, api_key=args.api_key,
+                  make_exporter=exporter, make_importer=importer)
     if args.pd_role == "prefill":
-        pd.exporter = inst.runner.exporter = KVExporter(inst.programs, args.kv_transfer_address,
-                                                        args.kv_expiry_seconds)
-        log.info("pd role prefill: prompts' KV kept for decode servers, transfer server at %s", pd.exporter.address)
+        pd.exporter = exporter()
     elif args.pd_role == "decode":
-        pd.importer = inst.runner.importer = KVImporter(inst.programs, args.kv_transfer_address)
-        log.info("pd role decode: KV pulled from prefill servers (on failure: %s)", args.kv_load_failure_policy)
+        pd.importer = importer()
+    log.info("pd role %s", args.pd_role)
     return pd
 
 

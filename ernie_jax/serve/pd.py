@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from typing import Any
 
 import httpx
@@ -35,6 +36,11 @@ class PDServer:
     kv_load_failure_policy: str = "recompute"
     api_key: str | None = None  # sent to prefill servers' offer route
     recomputed: int = 0  # remotely prefilled requests whose KV could not be pulled, prefilled here again
+    # role switching: the builders of this server's exporter and importer (each made when first needed and
+    # kept: its transfer server and its counters), and whether a switch is draining the server
+    make_exporter: Any = None
+    make_importer: Any = None
+    switching: bool = False
 
     def __post_init__(self):
         if self.role not in PD_ROLES:
@@ -47,11 +53,11 @@ class PDServer:
         """The role, model and KV layout (what a router or a peer checks), and the transfer counters."""
         kv = self.exporter or self.importer
         transfers: dict[str, Any] = {}
-        if (e := self.exporter) is not None:
+        if (e := self.exporter) is not None and self.role == "prefill":
             kept = e.sweep()  # expired ones counted first
             transfers = {"exported": e.exported, "offered": e.offered, "expired": e.expired, "kept": kept,
                          "bytes": e.bytes, "seconds": round(e.seconds, 6)}
-        elif (i := self.importer) is not None:
+        elif (i := self.importer) is not None and self.role == "decode":
             transfers = {"pulled": i.pulled, "failed": i.failed, "recomputed": self.recomputed, "bytes": i.bytes,
                          "seconds": round(i.seconds, 6)}
         return {"role": self.role, "model": model_name, "kv_layout": kv.layout.to_json() if kv is not None else None,
@@ -76,23 +82,55 @@ class PDServer:
         cannot take, naming the field."""
         if not kv:
             return {}
+        if self.switching:
+            raise ProtocolError(f"this server is switching its role from {self.role}; retry elsewhere", status=503)
         if len(prompts) != 1 or params.n != 1:
             raise ProtocolError("kv_transfer_params need one prompt and n = 1", param="kv_transfer_params")
         if params.prompt_logprobs is not None:
             raise ProtocolError("prompt logprobs are not served across a prefill/decode split",
                                 param="kv_transfer_params")
         if kv.get("do_remote_decode"):
-            if self.exporter is None:
+            if self.role != "prefill":
                 raise ProtocolError("do_remote_decode: this server exports no KV (start it with --pd-role "
                                     "prefill)", param="kv_transfer_params")
             return {"export_kv": True}
         if not kv.get("do_remote_prefill"):
             raise ProtocolError("kv_transfer_params need do_remote_decode or do_remote_prefill",
                                 param="kv_transfer_params")
-        if self.importer is None:
+        if self.role != "decode":
             raise ProtocolError("do_remote_prefill: this server imports no KV (start it with --pd-role decode)",
                                 param="kv_transfer_params")
         return {"prefilled": await self._pull(kv, prompts[0], params, vocab_size)}
+
+    async def switch(self, role: Any, engine, timeout: float) -> dict:
+        """Change this server's role once it is drained: no request queued or running and no kept KV (offered
+        or expired); 409 when that takes longer than `timeout` seconds (the role stays). Weights, programs and
+        the KV pool stay; new PD requests get a 503 while it drains (a router stops sending them first)."""
+        if role not in PD_ROLES:
+            raise ProtocolError(f"role {role!r}: expected one of {PD_ROLES}", param="role")
+        if self.switching:
+            raise ProtocolError("a role switch is already under way", status=409)
+        self.switching, t0 = True, time.monotonic()
+        try:
+            while True:
+                stats = engine.stats()
+                busy = stats.num_running + stats.num_waiting + (self.exporter.sweep() if self.exporter else 0)
+                if not busy:
+                    break
+                if time.monotonic() - t0 > timeout:
+                    raise ProtocolError(f"not drained within {timeout:.0f} s ({stats.num_running} running, "
+                                        f"{stats.num_waiting} waiting, KV kept for pulls); still {self.role}",
+                                        status=409)
+                await asyncio.sleep(0.05)
+            if role == "prefill" and self.exporter is None:
+                self.exporter = await asyncio.to_thread(self.make_exporter)
+            if role == "decode" and self.importer is None:
+                self.importer = await asyncio.to_thread(self.make_importer)
+            old, self.role = self.role, role
+            log.info("pd role %s -> %s after draining %.2f s", old, role, time.monotonic() - t0)
+            return {"role": role, "previous": old, "drained_seconds": round(time.monotonic() - t0, 3)}
+        finally:
+            self.switching = False
 
     async def _pull(self, kv: dict, prompt: list[int], params: SamplingParams, vocab_size: int) -> Prefilled:
         try:
@@ -149,7 +187,7 @@ class PDServer:
 
 
 def add_pd_routes(app, server) -> None:
-    """/v1/pd/info, /v1/pd/load and /v1/pd/kv/offer on a server's app (server: serve/api.Server)."""
+    """/v1/pd/info, /v1/pd/load, /v1/pd/kv/offer and /pd_role_switch on a server's app (serve/api.Server)."""
 
     @app.get("/v1/pd/info")
     async def pd_info() -> dict:
@@ -162,6 +200,18 @@ def add_pd_routes(app, server) -> None:
         last published stats have it) and the prompts waiting."""
         stats = server.engine.stats()
         return {"view": dataclasses.asdict(list(stats.views.values())[-1]), "waiting": stats.num_waiting}
+
+    @app.post("/pd_role_switch")
+    async def pd_role_switch(request: Request) -> dict:
+        """Drain this server and change its role (SGLang's route): {"role": ..., "timeout": seconds}."""
+        if server.api_key and request.headers.get("authorization") != f"Bearer {server.api_key}":
+            raise ProtocolError("missing or wrong API key (Authorization: Bearer <key>)", status=401)
+        try:
+            body = await request.json()
+            role, timeout = body.get("role"), float(body.get("timeout", 60))
+        except (ValueError, AttributeError, TypeError):
+            raise ProtocolError('the body must be a JSON object {"role": ..., "timeout": seconds}') from None
+        return await server.pd.switch(role, server.engine, timeout)
 
     @app.post("/v1/pd/kv/offer")
     async def pd_offer(request: Request) -> dict:
