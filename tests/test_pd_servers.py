@@ -15,7 +15,7 @@ import pytest
 from ernie_jax.assets import EMBEDDED_MODEL_NAME
 from tests.serving import AUTH, KEY, ROOT, launch, metric, metrics, running_servers, wait_healthy, wait_idle
 
-COMMON = ["--mesh", "4", "--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
+COMMON = ["--mesh", "4", "--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
           "--batch-invariant"]
 PROMPTS = ["The sea is", "说说曹操。", "Tell me about the mountains and the rivers of"]
 EXPIRY = 8  # seconds the prefill server keeps an unpulled prompt's KV (the router's pulls come within ms)
@@ -64,6 +64,22 @@ def test_greedy_through_the_router_equals_one_server(cluster):
     assert metric(metrics(cluster["router"]["url"]), "ernie_jax_router:requests_total", path="split") == 7
     for role in ("prefill", "decode"):
         wait_idle(cluster[role]["url"])  # every KV page free again on both servers
+
+
+def test_pages_the_decode_servers_prefix_cache_holds_are_not_pulled(cluster):
+    """A prompt the decode server has served (its prefix cache holds the full pages) pulls only the rest."""
+    r, p, d = cluster["router"]["url"], cluster["prefill"]["url"], cluster["decode"]["url"]
+    prompt = " ".join(["The sea is wide and the rivers run into it from the mountains."] * 6)
+    kw = dict(model=EMBEDDED_MODEL_NAME, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    want = _client(d).completions.create(prompt=prompt, **kw).choices[0].text  # the decode server caches it
+    before = httpx.get(d + "/v1/pd/info", headers=AUTH).json()["transfers"]
+    assert _client(r).completions.create(prompt=prompt, **kw).choices[0].text == want
+    after = httpx.get(d + "/v1/pd/info", headers=AUTH).json()["transfers"]
+    skipped = httpx.get(p + "/v1/pd/info", headers=AUTH).json()["transfers"]["skipped_pages"]
+    assert after["pulled"] == before["pulled"] + 1 and after["reused_pages"] - before["reused_pages"] >= 3
+    assert skipped >= after["reused_pages"] - before["reused_pages"]
+    wait_idle(d)
+    wait_idle(p)
 
 
 def test_requests_the_roles_cannot_take_are_refused_naming_the_field(cluster):

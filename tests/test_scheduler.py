@@ -175,3 +175,35 @@ def test_check_fits_names_the_pool_limit(tokens, expected):
     kv = make(16).kv
     why = kv.check_fits(tokens)
     assert why is None if expected is None else expected in why
+
+
+def test_a_handed_over_request_reuses_cached_prompt_pages_or_is_recomputed_when_they_left():
+    """KV from another server arrives less the leading prompt pages this pool caches: those come from the
+    prefix cache (a reference each), fresh pages take the rest; when the cached pages were evicted before the
+    request arrived, it goes back to the queue and its prompt is recomputed here (prompt + first token)."""
+    s = make(12)
+    first = request("first", 12, 2)
+    s.waiting.append(first)
+    run_all(s, [first])  # 3 full pages of its prompt now cached
+    req = request("remote", 13, 4)
+    req.output_ids, req.status, req.holder = [100], RequestStatus.HANDING_OVER, s.name
+    assert s.kv.cached_prompt_pages(req.prompt_ids) == 3
+    s.incoming.append(Handoff(req, None, [0], 0.0, reused=3))
+    (h, fresh), = s.receive(0.0)
+    assert req.pages[:3] == first_pages(s, first) and req.pages[3:] == fresh and len(fresh) == 1
+    assert all(s.pool.refs(p) == 1 for p in req.pages) and req.status is RequestStatus.RUNNING
+    run_all(s, [req])
+    # evicted: a request that needs every page of the pool takes the cached ones first
+    other = request("other", 13, 4, first=50)
+    other.output_ids, other.status, other.holder = [100], RequestStatus.HANDING_OVER, s.name
+    s.pool.reset_cache()
+    s.incoming.append(Handoff(other, None, [0], 0.0, reused=3))
+    assert s.receive(0.0) == [] and s.waiting == [other] and other.status is RequestStatus.WAITING
+    run_all(s, [other])
+    assert other.output_ids[0] == 100 and len(other.output_ids) == 4
+
+
+def first_pages(s: Scheduler, req: Request) -> list[int]:
+    """The pages the prefix cache holds for req's prompt's full pages."""
+    from ernie_jax.engine.pages import page_hashes
+    return s.pool.lookup(page_hashes(req.prompt_ids, PAGE, s.pool.salt, [])[:len(req.prompt_ids) // PAGE])

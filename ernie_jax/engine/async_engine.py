@@ -82,6 +82,9 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def cached_prefix_pages(self, prompt_ids: list[int]) -> int:
+        return self.engine.cached_prefix_pages(prompt_ids)
+
     def info(self) -> ModelInfo:
         e = self.engine
         return ModelInfo(e.max_model_len, e.cfg.vocab_size, e.config.summary())

@@ -42,6 +42,10 @@ class EngineClient(Protocol):
 
     def info(self) -> ModelInfo: ...
 
+    def cached_prefix_pages(self, prompt_ids: list[int]) -> int:
+        """Leading full pages of this prompt the engine's prefix cache holds now (PD across servers: the
+        prefill server need not send them)."""
+
     @property
     def alive(self) -> bool:
         """Whether the engine is serving (health)."""

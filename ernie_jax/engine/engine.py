@@ -191,8 +191,7 @@ class Engine:
         self.outputs.eos_token_ids = frozenset(ids)
 
     def counter(self, name: str) -> int:
-        """A scheduler counter (num_preemptions, prefix_queries, prefix_hits, prefill_tokens) summed over
-        the instances."""
+        """A scheduler counter (num_preemptions, prefix_queries, prefix_hits, prefill_tokens), all instances."""
         return sum(getattr(i.scheduler, name) for i in self.instances)
 
     @property
@@ -232,6 +231,11 @@ class Engine:
             self.on_output(req)
         return request_id
 
+    def cached_prefix_pages(self, prompt_ids: list[int]) -> int:
+        """Leading full pages of the prompt the decode instance's prefix cache holds now (EngineClient)."""
+        with self.lock:
+            return self.instances[-1].scheduler.kv.cached_prompt_pages(prompt_ids)
+
     def _add_prefilled(self, req: Request, p: Prefilled) -> bool:
         """Apply another server's first token to req and hand it, with its pulled KV, to the decode instance;
         False when req must still be queued (its KV was not pulled: the prompt is recomputed here)."""
@@ -246,7 +250,7 @@ class Engine:
             return False
         inst = self.instances[-1]  # the decode instance (the only one, colocated)
         req.status, req.holder = RequestStatus.HANDING_OVER, inst.name
-        inst.scheduler.incoming.append(Handoff(req, p.kv, list(range(p.num_pages)), 0.0))
+        inst.scheduler.incoming.append(Handoff(req, p.kv, list(range(p.num_pages)), 0.0, p.reused))
         return True
 
     def abort(self, request_id: str) -> None:

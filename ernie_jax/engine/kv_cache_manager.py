@@ -73,10 +73,24 @@ class KVCacheManager:
             self.prefix_queries += req.num_tokens
             self.prefix_hits += len(cached) * pool.page_size
 
-    def allocate_handed_over(self, req: Request) -> list[int]:
-        """Fresh pages for a request whose KV arrives from another instance (the caller checked room)."""
-        req.pages, req.num_registered = self.pool.allocate(self.pool.pages_for(req.num_tokens)), 0
-        return req.pages
+    def allocate_handed_over(self, req: Request, reused: int = 0) -> list[int] | None:
+        """Pages for a request whose KV arrives from elsewhere (the caller checked room): its first `reused`
+        from the prefix cache (the sender did not send them), fresh ones for the rest; returns the fresh ones,
+        or None (nothing allocated) when the cache no longer holds those `reused` pages."""
+        cached = self.pool.lookup(self._hashes(req, len(req.prompt_ids))[:reused]) if reused else []
+        if len(cached) < reused:
+            return None
+        self.pool.acquire(cached)
+        fresh = self.pool.allocate(self.pool.pages_for(req.num_tokens) - len(cached))
+        req.pages, req.num_registered = cached + fresh, len(cached)
+        return fresh
+
+    def cached_prompt_pages(self, prompt_ids: list[int]) -> int:
+        """How many leading full pages of this prompt the prefix cache holds now."""
+        pool = self.pool
+        if not pool.enable_caching:
+            return 0
+        return len(pool.lookup(page_hashes(list(prompt_ids), pool.page_size, pool.salt, [])))
 
     # ---- growth ---------------------------------------------------------------------------------------------
     def slots_needed(self, req: Request, in_flight: int) -> int:

@@ -37,6 +37,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
@@ -128,7 +129,7 @@ class KVExporter:
         self._buckets = buckets(programs.max_pages)
         self._lock = threading.Lock()
         self._exports: dict[str, _Export] = {}
-        self.exported = self.offered = self.expired = 0
+        self.exported = self.offered = self.expired = self.skipped_pages = 0
         self.bytes, self.seconds = 0, 0.0
 
     def export(self, req, pages: list[int]) -> None:
@@ -156,19 +157,29 @@ class KVExporter:
         return {"do_remote_prefill": True, "remote_request_id": request_id, "remote_num_pages": e.num_pages,
                 "kv_layout": self.layout.to_json(), **e.continuation}
 
-    def offer(self, request_id: str) -> dict:
-        """Hand the request's batch to the transfer server under a fresh transfer id and forget it; returns
-        what the puller needs. KeyError when there is none (unknown, already offered, or expired)."""
+    def offer(self, request_id: str, skip: int = 0) -> dict:
+        """Hand the request's batch, less its first `skip` pages (the puller's prefix cache holds them), to the
+        transfer server under a fresh transfer id and forget it; returns what the puller needs. KeyError when
+        there is none (unknown, already offered, or expired)."""
         with self._lock:
             self._sweep()
             e = self._exports.pop(request_id)
             self.offered += 1
+        skip = max(0, min(int(skip), e.num_pages - 1))
+        n = e.num_pages - skip
+        size = next(b for b in self._buckets if b >= n)  # a bucketed page count: few shapes to compile
+
+        def cut(a):
+            x = a[:, skip:skip + size]
+            pad = size - x.shape[1]
+            return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) if pad else x
+        leaves = [cut(a) for a in jax.tree.leaves(e.batch)] if skip else jax.tree.leaves(e.batch)
         transfer_id = secrets.randbits(62)
-        leaves = jax.tree.leaves(e.batch)
         self.server.await_pull(transfer_id, leaves)
-        self.bytes += sum(a.nbytes for a in leaves) * e.num_pages // leaves[0].shape[1]
-        return {"transfer_id": transfer_id, "transfer_address": self.address, "num_pages": e.num_pages,
-                "bucket": leaves[0].shape[1]}
+        self.bytes += sum(a.nbytes for a in leaves) * n // leaves[0].shape[1]
+        self.skipped_pages += skip
+        return {"transfer_id": transfer_id, "transfer_address": self.address, "num_pages": n,
+                "bucket": leaves[0].shape[1], "skipped_pages": skip}
 
     def _sweep(self) -> None:
         now = time.monotonic()

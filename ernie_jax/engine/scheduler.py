@@ -153,11 +153,16 @@ class Scheduler:
             need = self.pool.pages_for(req.num_tokens)
             if self.seats_taken >= self.max_num_seqs or need > self.pool.free - (self.reserve if self.running else 0):
                 break
-            pages = self.kv.allocate_handed_over(req)
+            h = self.incoming.pop(0)
+            pages = self.kv.allocate_handed_over(req, h.reused)
+            if pages is None:  # the pages it was to reuse left the prefix cache: its prompt is recomputed here
+                req.status, req.holder = WAITING, None
+                self.waiting.insert(0, req)
+                continue
             req.admitted, self._admissions = self._admissions, self._admissions + 1
             req.status, req.holder, req.decoded_on = RUNNING, self.name, self.name
             self.running.append(req)
-            arrived.append((self.incoming.pop(0), pages))
+            arrived.append((h, pages))
         return arrived
 
     def needs_host_tokens(self, peer: InstanceView | None, in_flight: tuple[list[Request], int]) -> bool:

@@ -28,18 +28,21 @@ class Handoff:
     kv: Any  # the KV of its pages on the receiving side (the runner's page batch; None in the simulator)
     src_pages: list[int]  # where they were in the sender's pool
     ready_at: float  # when the KV is in place on the receiving side (the sender's clock)
+    reused: int = 0  # leading pages the receiver's prefix cache holds: not sent, taken from its cache
 
 
 @dataclasses.dataclass(frozen=True)
 class Prefilled:
     """What a request prefilled by another server brings (engine/kv_connector.py): the first token that server
     sampled (with its logprob entry when asked, and the MTP drafts for the next step when it speculates) and
-    the prompt's KV as a page batch pulled from there (None: not pulled; the prompt is recomputed here)."""
+    the prompt's KV as a page batch pulled from there (None: not pulled; the prompt is recomputed here), less
+    the leading pages this engine's prefix cache already held when it asked."""
     first_token: int
     logprob: dict | None
     drafts: list[int] | None
     kv: Any
-    num_pages: int
+    num_pages: int  # pages in kv
+    reused: int = 0  # leading prompt pages before kv's, which this engine's prefix cache holds
 
 
 @dataclasses.dataclass

@@ -216,7 +216,7 @@ async def _respond(server: Server, request: Request, body, prompts: list[_Prompt
         raise ProtocolError(f"the server is busy ({waiting} requests waiting, limit "
                             f"{server.max_queue_len}); retry later", status=429)
     kv = body.kv_transfer_params
-    pd = await server.pd.prepare(kv, [p.ids for p in prompts], params, server.engine.info().vocab_size)
+    pd = await server.pd.prepare(kv, [p.ids for p in prompts], params, server.engine)
     if pd.get("export_kv") and body.stream:
         raise ProtocolError("do_remote_decode answers are not streamed (stream must be false)", param="stream")
     request_id = f"{fmt.prefix}-{uuid.uuid4().hex}"

@@ -36,6 +36,7 @@ class PDServer:
     kv_load_failure_policy: str = "recompute"
     api_key: str | None = None  # sent to prefill servers' offer route
     recomputed: int = 0  # remotely prefilled requests whose KV could not be pulled, prefilled here again
+    reused_pages: int = 0  # prompt pages not pulled: this server's prefix cache held them
     # role switching: the builders of this server's exporter and importer (each made when first needed and
     # kept: its transfer server and its counters), and whether a switch is draining the server
     make_exporter: Any = None
@@ -56,27 +57,28 @@ class PDServer:
         if (e := self.exporter) is not None and self.role == "prefill":
             kept = e.sweep()  # expired ones counted first
             transfers = {"exported": e.exported, "offered": e.offered, "expired": e.expired, "kept": kept,
-                         "bytes": e.bytes, "seconds": round(e.seconds, 6)}
+                         "skipped_pages": e.skipped_pages, "bytes": e.bytes, "seconds": round(e.seconds, 6)}
         elif (i := self.importer) is not None and self.role == "decode":
-            transfers = {"pulled": i.pulled, "failed": i.failed, "recomputed": self.recomputed, "bytes": i.bytes,
-                         "seconds": round(i.seconds, 6)}
+            transfers = {"pulled": i.pulled, "failed": i.failed, "recomputed": self.recomputed,
+                         "reused_pages": self.reused_pages, "bytes": i.bytes, "seconds": round(i.seconds, 6)}
         return {"role": self.role, "model": model_name, "kv_layout": kv.layout.to_json() if kv is not None else None,
                 "transfer_address": self.exporter.address if self.exporter is not None else None,
                 "transfers": transfers}
 
-    def offer(self, request_id: Any) -> dict:
+    def offer(self, request_id: Any, skip: Any = 0) -> dict:
         if self.exporter is None:
             raise ProtocolError("this server exports no KV (it was not started with --pd-role prefill)", status=400)
         if not isinstance(request_id, str):
             raise ProtocolError("request_id must be a string", param="request_id")
+        if not isinstance(skip, int) or skip < 0:
+            raise ProtocolError("skip_pages must be a non-negative integer", param="skip_pages")
         try:
-            return self.exporter.offer(request_id)
+            return self.exporter.offer(request_id, skip)
         except KeyError:
             raise ProtocolError(f"no KV kept for request {request_id!r} (unknown, already pulled, or expired "
                                 f"after {self.exporter.expiry:.0f} s)", status=404, param="request_id") from None
 
-    async def prepare(self, kv: dict | None, prompts: list[list[int]], params: SamplingParams,
-                      vocab_size: int) -> dict:
+    async def prepare(self, kv: dict | None, prompts: list[list[int]], params: SamplingParams, engine) -> dict:
         """The engine.add_request keyword arguments a request's kv_transfer_params ask for ({} for none);
         for a remotely prefilled request this pulls its KV first. ProtocolError for parameters this server
         cannot take, naming the field."""
@@ -100,7 +102,7 @@ class PDServer:
         if self.role != "decode":
             raise ProtocolError("do_remote_prefill: this server imports no KV (start it with --pd-role decode)",
                                 param="kv_transfer_params")
-        return {"prefilled": await self._pull(kv, prompts[0], params, vocab_size)}
+        return {"prefilled": await self._pull(kv, prompts[0], params, engine)}
 
     async def switch(self, role: Any, engine, timeout: float) -> dict:
         """Change this server's role once it is drained: no request queued or running and no kept KV (offered
@@ -132,7 +134,7 @@ class PDServer:
         finally:
             self.switching = False
 
-    async def _pull(self, kv: dict, prompt: list[int], params: SamplingParams, vocab_size: int) -> Prefilled:
+    async def _pull(self, kv: dict, prompt: list[int], params: SamplingParams, engine) -> Prefilled:
         try:
             layout = KVLayout.from_json(kv["kv_layout"])
             rid, url = str(kv["remote_request_id"]), str(kv["remote_url"])
@@ -147,25 +149,33 @@ class PDServer:
         if n_prompt != len(prompt):
             raise ProtocolError(f"kv_transfer_params: the prefill server computed {n_prompt} prompt tokens, this "
                                 f"request has {len(prompt)}", param="kv_transfer_params")
+        vocab_size = engine.info().vocab_size
         if not 0 <= first < vocab_size:
             raise ProtocolError(f"kv_transfer_params: first_token_id {first} is outside [0, {vocab_size})",
                                 param="kv_transfer_params")
         lp = kv.get("first_token_logprob")
         drafts = kv.get("drafts")
-        batch = None
+        batch, reused = None, 0
         if params.max_tokens != 1:  # otherwise the first token is the whole answer
-            batch = await self._fetch(url, rid)
+            # the leading pages this server's prefix cache holds are not sent (one page at least is)
+            reused = min(engine.cached_prefix_pages(prompt), num_pages - 1)
+            batch = await self._fetch(url, rid, reused)
+        if batch is None:
+            reused = 0
+        self.reused_pages += reused
         return Prefilled(first, lp if isinstance(lp, dict) else None,
-                         [int(t) for t in drafts] if isinstance(drafts, list) else None, batch, num_pages)
+                         [int(t) for t in drafts] if isinstance(drafts, list) else None, batch, num_pages - reused,
+                         reused)
 
-    async def _fetch(self, url: str, rid: str):
+    async def _fetch(self, url: str, rid: str, skip: int):
         """The request's page batch from the prefill server at url: an offer, then a pull (tried twice); on
         failure None (recompute) or a 502 (kv_load_failure_policy "fail")."""
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         why = ""
         try:
             async with httpx.AsyncClient(timeout=30) as client:
-                r = await client.post(url.rstrip("/") + "/v1/pd/kv/offer", json={"request_id": rid}, headers=headers)
+                r = await client.post(url.rstrip("/") + "/v1/pd/kv/offer", json={"request_id": rid, "skip_pages": skip},
+                                      headers=headers)
             if r.status_code != 200:
                 why = f"the offer was refused ({r.status_code}: {r.text[:200]})"
             else:
@@ -220,4 +230,6 @@ def add_pd_routes(app, server) -> None:
             body = await request.json()
         except ValueError:
             raise ProtocolError("the request body is not valid JSON") from None
-        return await asyncio.to_thread(server.pd.offer, body.get("request_id") if isinstance(body, dict) else None)
+        if not isinstance(body, dict):
+            raise ProtocolError("the request body must be a JSON object")
+        return await asyncio.to_thread(server.pd.offer, body.get("request_id"), body.get("skip_pages", 0))
