@@ -85,7 +85,7 @@ def server_state(server) -> str:
 def metrics(url: str) -> dict[str, float]:
     """Prometheus text -> {'name{labels}': value}."""
     out = {}
-    for line in httpx.get(url + "/metrics").text.splitlines():
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
         if line and not line.startswith("#"):
             key, value = line.rsplit(" ", 1)
             out[key] = float(value)

@@ -15,8 +15,10 @@ import pytest
 from ernie_jax.assets import EMBEDDED_MODEL_NAME
 from tests.serving import AUTH, KEY, ROOT, launch, metric, metrics, running_servers, wait_healthy, wait_idle
 
+# Every program compiled before "ready": a background compile beside the tests (lowering holds the GIL) can
+# delay a server's answers and heartbeats by seconds on 2 busy cores.
 COMMON = ["--mesh", "4", "--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
-          "--batch-invariant"]
+          "--batch-invariant", "--no-background-compile"]
 PROMPTS = ["The sea is", "说说曹操。", "Tell me about the mountains and the rivers of"]
 EXPIRY = 8  # seconds the prefill server keeps an unpulled prompt's KV (the router's pulls come within ms)
 
@@ -24,7 +26,7 @@ EXPIRY = 8  # seconds the prefill server keeps an unpulled prompt's KV (the rout
 @pytest.fixture(scope="module")
 def cluster():
     """A router started with no servers, and a prefill and a decode server that register with it."""
-    router = launch("ernie_jax.router", ["--api-key", KEY, "--heartbeat", "2"])
+    router = launch("ernie_jax.router", ["--api-key", KEY, "--heartbeat", "3"])
     join = ["--router", router["url"]]
     try:
         with running_servers([COMMON + join + ["--pd-role", "prefill", "--kv-expiry-seconds", str(EXPIRY)],
@@ -57,8 +59,8 @@ def test_greedy_through_the_router_equals_one_server(cluster):
     want = direct.chat.completions.create(messages=messages, **kw).choices[0].message.content
     assert routed.chat.completions.create(messages=messages, **kw).choices[0].message.content == want
     # what moved: every split request's KV was exported, offered and pulled once, and nothing stays held
-    info = httpx.get(cluster["prefill"]["url"] + "/v1/pd/info", headers=AUTH).json()
-    pulled = httpx.get(cluster["decode"]["url"] + "/v1/pd/info", headers=AUTH).json()["transfers"]
+    info = httpx.get(cluster["prefill"]["url"] + "/v1/pd/info", headers=AUTH, timeout=30).json()
+    pulled = httpx.get(cluster["decode"]["url"] + "/v1/pd/info", headers=AUTH, timeout=30).json()["transfers"]
     assert info["transfers"]["exported"] == info["transfers"]["offered"] == pulled["pulled"] == 2 * len(PROMPTS) + 1
     assert info["transfers"]["kept"] == 0 and pulled["recomputed"] == 0 and pulled["bytes"] > 0
     assert metric(metrics(cluster["router"]["url"]), "ernie_jax_router:requests_total", path="split") == 7
@@ -72,10 +74,10 @@ def test_pages_the_decode_servers_prefix_cache_holds_are_not_pulled(cluster):
     prompt = " ".join(["The sea is wide and the rivers run into it from the mountains."] * 6)
     kw = dict(model=EMBEDDED_MODEL_NAME, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
     want = _client(d).completions.create(prompt=prompt, **kw).choices[0].text  # the decode server caches it
-    before = httpx.get(d + "/v1/pd/info", headers=AUTH).json()["transfers"]
+    before = httpx.get(d + "/v1/pd/info", headers=AUTH, timeout=30).json()["transfers"]
     assert _client(r).completions.create(prompt=prompt, **kw).choices[0].text == want
-    after = httpx.get(d + "/v1/pd/info", headers=AUTH).json()["transfers"]
-    skipped = httpx.get(p + "/v1/pd/info", headers=AUTH).json()["transfers"]["skipped_pages"]
+    after = httpx.get(d + "/v1/pd/info", headers=AUTH, timeout=30).json()["transfers"]
+    skipped = httpx.get(p + "/v1/pd/info", headers=AUTH, timeout=30).json()["transfers"]["skipped_pages"]
     assert after["pulled"] == before["pulled"] + 1 and after["reused_pages"] - before["reused_pages"] >= 3
     assert skipped >= after["reused_pages"] - before["reused_pages"]
     wait_idle(d)
@@ -85,33 +87,33 @@ def test_pages_the_decode_servers_prefix_cache_holds_are_not_pulled(cluster):
 def test_requests_the_roles_cannot_take_are_refused_naming_the_field(cluster):
     d, p = cluster["decode"]["url"], cluster["prefill"]["url"]
     body = {"model": EMBEDDED_MODEL_NAME, "prompt": "The sea is", "max_tokens": 4}
-    r = httpx.post(d + "/v1/completions", headers=AUTH, json={**body, "kv_transfer_params": {"do_remote_decode": True}})
+    r = httpx.post(d + "/v1/completions", headers=AUTH, timeout=30, json={**body, "kv_transfer_params": {"do_remote_decode": True}})
     assert r.status_code == 400 and "--pd-role prefill" in r.json()["error"]["message"]
-    layout = httpx.get(p + "/v1/pd/info", headers=AUTH).json()["kv_layout"]
+    layout = httpx.get(p + "/v1/pd/info", headers=AUTH, timeout=30).json()["kv_layout"]
     other = {**layout, "block_size": layout["block_size"] * 2}
     kv = {"do_remote_prefill": True, "kv_layout": other, "remote_request_id": "x", "remote_url": p,
           "first_token_id": 1, "num_prompt_tokens": 3, "remote_num_pages": 1}
-    r = httpx.post(d + "/v1/completions", headers=AUTH, json={**body, "kv_transfer_params": kv})
+    r = httpx.post(d + "/v1/completions", headers=AUTH, timeout=30, json={**body, "kv_transfer_params": kv})
     assert r.status_code == 400 and "block size" in r.json()["error"]["message"]
-    r = httpx.post(p + "/v1/pd/kv/offer", headers=AUTH, json={"request_id": "no-such-request"})
+    r = httpx.post(p + "/v1/pd/kv/offer", headers=AUTH, timeout=30, json={"request_id": "no-such-request"})
     assert r.status_code == 404 and "no-such-request" in r.json()["error"]["message"]
-    assert httpx.get(d + "/health").status_code == 200 and httpx.get(p + "/health").status_code == 200
+    assert httpx.get(d + "/health", timeout=30).status_code == 200 and httpx.get(p + "/health", timeout=30).status_code == 200
 
 
 def test_kv_not_pulled_in_time_expires_and_its_pages_are_free(cluster):
     p = cluster["prefill"]["url"]
-    before = httpx.get(p + "/v1/pd/info", headers=AUTH).json()["transfers"]
-    r = httpx.post(p + "/v1/completions", headers=AUTH, json={
+    before = httpx.get(p + "/v1/pd/info", headers=AUTH, timeout=30).json()["transfers"]
+    r = httpx.post(p + "/v1/completions", headers=AUTH, timeout=30, json={
         "model": EMBEDDED_MODEL_NAME, "prompt": "The sea is", "max_tokens": 1, "temperature": 0, "ignore_eos": True,
         "kv_transfer_params": {"do_remote_decode": True}})
     kv = r.json()["kv_transfer_params"]
     assert kv["do_remote_prefill"] and kv["remote_num_pages"] >= 1 and kv["num_prompt_tokens"] > 0
-    assert httpx.get(p + "/v1/pd/info", headers=AUTH).json()["transfers"]["kept"] == 1
+    assert httpx.get(p + "/v1/pd/info", headers=AUTH, timeout=30).json()["transfers"]["kept"] == 1
     wait_idle(p)  # the pool's pages are free at once: the kept KV is a copy
     time.sleep(EXPIRY + 1)
-    after = httpx.get(p + "/v1/pd/info", headers=AUTH).json()["transfers"]
+    after = httpx.get(p + "/v1/pd/info", headers=AUTH, timeout=30).json()["transfers"]
     assert after["expired"] == before["expired"] + 1 and after["kept"] == 0
-    r = httpx.post(p + "/v1/pd/kv/offer", headers=AUTH, json={"request_id": kv["remote_request_id"]})
+    r = httpx.post(p + "/v1/pd/kv/offer", headers=AUTH, timeout=30, json={"request_id": kv["remote_request_id"]})
     assert r.status_code == 404 and "expired" in r.json()["error"]["message"]
 
 
@@ -124,11 +126,11 @@ def test_a_server_switches_its_role_through_the_router_and_back(cluster):
     count = lambda path: metric(metrics(r), "ernie_jax_router:requests_total", path=path)  # noqa: E731
     switched = httpx.post(r + "/pd_role_switch", json={"url": p, "role": "decode"}, headers=AUTH, timeout=120)
     assert switched.status_code == 200 and switched.json()["previous"] == "prefill", switched.text
-    assert httpx.get(p + "/v1/pd/info", headers=AUTH).json()["role"] == "decode"
+    assert httpx.get(p + "/v1/pd/info", headers=AUTH, timeout=30).json()["role"] == "decode"
     whole = count("whole")
     assert _client(r).completions.create(prompt=PROMPTS[1], **kw).choices[0].text == want
     assert count("whole") == whole + 1
-    bad = httpx.post(p + "/v1/completions", headers=AUTH, json={"model": EMBEDDED_MODEL_NAME, "prompt": "x",
+    bad = httpx.post(p + "/v1/completions", headers=AUTH, timeout=30, json={"model": EMBEDDED_MODEL_NAME, "prompt": "x",
                                                                 "kv_transfer_params": {"do_remote_decode": True}})
     assert bad.status_code == 400 and "--pd-role prefill" in bad.json()["error"]["message"]
     back = httpx.post(r + "/pd_role_switch", json={"url": p, "role": "prefill"}, headers=AUTH, timeout=120)
@@ -136,7 +138,7 @@ def test_a_server_switches_its_role_through_the_router_and_back(cluster):
     split = count("split")
     assert _client(r).completions.create(prompt=PROMPTS[1], **kw).choices[0].text == want
     assert count("split") == split + 1
-    wrong = httpx.post(r + "/pd_role_switch", json={"url": p, "role": "sometimes"}, headers=AUTH)
+    wrong = httpx.post(r + "/pd_role_switch", json={"url": p, "role": "sometimes"}, headers=AUTH, timeout=30)
     assert wrong.status_code == 400 and "role 'sometimes'" in wrong.text
 
 
@@ -165,7 +167,7 @@ def test_a_decode_server_killed_mid_stream_fails_its_stream_and_a_restarted_one_
                         d["proc"].kill()
             want = _client(p["url"]).completions.create(prompt=PROMPTS[0], max_tokens=8, **kw).choices[0].text
             assert client.completions.create(prompt=PROMPTS[0], max_tokens=8, **kw).choices[0].text == want
-            assert httpx.get(router["url"] + "/health").status_code == 200
+            assert httpx.get(router["url"] + "/health", timeout=30).status_code == 200
             wait_idle(p["url"])
             port = int(d["url"].rsplit(":", 1)[1])
             d2 = launch("ernie_jax.serve", COMMON + ["--pd-role", "decode"], port=port)
@@ -209,7 +211,7 @@ def test_split_with_mtp_fp8_kv_and_different_meshes(variant):
                     assert got.choices[0].text.startswith(first.choices[0].text)
                 else:
                     assert got.choices[0].text == want.text
-            assert httpx.get(d["url"] + "/v1/pd/info", headers=AUTH).json()["transfers"]["pulled"] == len(PROMPTS)
+            assert httpx.get(d["url"] + "/v1/pd/info", headers=AUTH, timeout=30).json()["transfers"]["pulled"] == len(PROMPTS)
             wait_idle(p["url"])
             wait_idle(d["url"])
         finally:
