@@ -174,8 +174,8 @@ class Engine:
         return sum(i.runner.expert_tokens for i in self.instances)
 
     def stats(self) -> EngineStats:
-        """The last stats snapshot the engine published (engine/stats.py): after every step, and whenever a
-        request is queued, aborted or failed; a reader on another thread gets it without the engine's lock."""
+        """The last stats snapshot the engine published (engine/stats.py): whenever it recorded a step's
+        requests, and when a request is queued; a reader on another thread gets it without the engine's lock."""
         return self._stats
 
     def _publish(self) -> None:
@@ -270,7 +270,6 @@ class Engine:
             else:
                 self.outputs.finish(req, "abort")
             self._record([req])
-            self._publish()
             if self.on_output is not None:
                 self.on_output(req)
 
@@ -290,19 +289,19 @@ class Engine:
                 if req.prefilled_on is not None:
                     key = (req.prefilled_on, req.decoded_on)
                     self.pd_requests[key] = self.pd_requests.get(key, 0) + 1
+            self._publish()
 
     def _took_step(self, inst: Instance, out: StepOutputs) -> list[Request]:
         """Book what an instance step reports; returns the requests it touched."""
-        self._record(out.touched)
         if out.role_switch is not None:
             with self.lock:
                 key = (inst.name, *out.role_switch)
                 self.role_switches[key] = self.role_switches.get(key, 0) + 1
+        self._record(out.touched)  # publishes the stats
         if out.rebalance:
             self.rebalance_experts()
         if out.handed_over:
             self.wake()
-        self._publish()
         return out.touched
 
     def rebalance_experts(self) -> dict:
@@ -341,7 +340,6 @@ class Engine:
         keeps a pool that is intact and rebuilds one that is not); returns them."""
         failed = [r for inst in self.instances for r in inst.recover()[0]]
         self._record(failed)
-        self._publish()
         return failed
 
     def start(self, on_output: Callable[[Request], None], on_error: Callable[[Request, BaseException], None]) -> None:
@@ -389,7 +387,6 @@ class Engine:
                 log.exception("%s: step failed", inst.name)
                 failed, kept = inst.recover()
                 self._record(failed)
-                self._publish()
                 log.error("%s: failed the %d requests of that step; %s", inst.name, len(failed),
                           "its KV pool is intact and keeps its prefix cache" if kept else
                           "its KV pool may be consumed: rebuilt empty, with every request that held pages")

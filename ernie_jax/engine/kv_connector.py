@@ -1,6 +1,6 @@
 """KV pages between server processes (prefill/decode disaggregation across servers): a prompt's pages leave the
 prefill server's pool and enter the decode server's through `jax.experimental.transfer`; control messages
-go over the servers' HTTP routes (serve/pd_routes.py).
+go over the servers' HTTP routes (serve/pd.py).
 
 The protocol (prefill server P, decode server D, the router R in front of both):
 1. R sends P the request with `kv_transfer_params: {"do_remote_decode": true}` and max_tokens 1. P prefills it
@@ -11,13 +11,12 @@ The protocol (prefill server P, decode server D, the router R in front of both):
    and P's `KVLayout`.
 2. R sends D the original request with those parameters and P's URL. D refuses a layout it cannot take (400
    naming the field that differs), applies the first token (it may already end the request), then asks P to
-   offer the batch (`POST /pd/kv/offer`): P hands it to its transfer server under a fresh transfer id and
-   forgets it (the transfer server holds it until pulled). D pulls it (`KVImporter.pull`, bounded in time)
+   offer the batch less the leading pages D's prefix cache holds (`POST /v1/pd/kv/offer`): P hands it to its
+   transfer server under a fresh transfer id and forgets it (the transfer server holds it until pulled). D pulls it (`KVImporter.pull`, bounded in time)
    onto its first device, queues the request as handed over, and its scheduler gives it pages and a seat at
    the next step boundary, where its runner scatters the batch in, resharded onto its own mesh.
 3. Failures: a batch not offered within `expiry` seconds is dropped by P (counted); an offer for an unknown or
-   expired request is a 404; a pull that fails or times out is retried once (a fresh offer), and then D
-   either recomputes the prompt itself (`kv_load_failure_policy="recompute"`, the default, vLLM's name) or
+   expired request is a 404; a pull that fails or times out is tried once more, and then D either recomputes the prompt itself (`kv_load_failure_policy="recompute"`, the default, vLLM's name) or
    fails the request (`"fail"`).
 
 A pull names shapes and a sharding, and `jax.experimental.transfer` needs them to match what was offered, so
@@ -38,10 +37,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from ernie_jax.engine.page_transfer import page_gather, page_scatter
+from ernie_jax.engine.page_transfer import page_gather, page_ids, page_scatter
 from ernie_jax.engine.shapes import buckets
 
 log = logging.getLogger("ernie_jax.engine")
@@ -138,7 +136,7 @@ class KVExporter:
         side continues from: the first token (its logprob entry) and the MTP drafts."""
         t0 = time.perf_counter()
         n = next(b for b in self._buckets if b >= len(pages))
-        ids = self.programs.put(np.asarray(pages + [0] * (n - len(pages)), np.int32))
+        ids = page_ids(self.programs, pages, n)
         batch = jax.device_put(self._gather(self.programs.cache, ids), SingleDeviceSharding(self.device))
         with self._lock:
             self._sweep()
@@ -246,6 +244,6 @@ class KVImporter:
         """Write a pulled batch into this pool at `pages` (one per real page of the batch); on the thread that
         steps the pool."""
         n = jax.tree.leaves(batch)[0].shape[1]
-        ids = self.programs.put(np.asarray(pages + [0] * (n - len(pages)), np.int32))
+        ids = page_ids(self.programs, pages, n)
         batch = jax.device_put(batch, self.programs.cache_shardings)
         self.programs.cache = self._scatter(self.programs.cache, batch, ids)

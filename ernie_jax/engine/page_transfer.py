@@ -19,6 +19,11 @@ def page_gather(programs):
                    out_shardings=programs.cache_shardings)
 
 
+def page_ids(programs, pages: list[int], n: int):
+    """pages padded with the null page 0 to n ids, on the programs' mesh (a page batch's index)."""
+    return programs.put(np.asarray(pages + [0] * (n - len(pages)), np.int32))
+
+
 def page_scatter(programs):
     """A jitted (pool, page batch, page ids [n]) -> pool with the batch written at those pages (the pool
     donated); the batch is laid out like the pool (page ids past the real pages name the null page 0)."""
@@ -51,7 +56,7 @@ class PageTransfer:
         """The pages' KV as a page batch on the destination mesh; returns once the copy has landed."""
         n = self.bucket(len(src_pages))
         t0 = time.perf_counter()
-        pages = self._gather(self.src.cache, self.src.put(np.asarray(src_pages + [0] * (n - len(src_pages)), np.int32)))
+        pages = self._gather(self.src.cache, page_ids(self.src, src_pages, n))
         moved = jax.block_until_ready(jax.device_put(pages, self.page_shardings))
         self.seconds += time.perf_counter() - t0
         self.bytes += sum(a.nbytes for a in jax.tree.leaves(pages)) * len(src_pages) // n
@@ -62,7 +67,7 @@ class PageTransfer:
         """Write the page batch gathered from src_pages into the destination pool at dst_pages (as many;
         the batch's padding goes to the null page)."""
         n = jax.tree.leaves(moved)[0].shape[1]
-        ids = self.dst.put(np.asarray(dst_pages + [0] * (n - len(dst_pages)), np.int32))
+        ids = page_ids(self.dst, dst_pages, n)
         self.dst.cache = self._scatter(self.dst.cache, moved, ids)
         self.last = (list(src_pages), list(dst_pages))
 

@@ -187,10 +187,9 @@ class Router:
         while True:
             await asyncio.sleep(self.heartbeat)
             for b in list(self.backends):
-                if b.registered:
+                if b.registered:  # two heartbeats of silence are two misses
                     if time.monotonic() - b.last_seen > 2 * self.heartbeat:
-                        b.misses = max(b.misses, 1)
-                        b.missed(f"no heartbeat for {time.monotonic() - b.last_seen:.0f} s")
+                        b.missed(f"no heartbeat for {time.monotonic() - b.last_seen:.0f} s", at_once=True)
                     continue
                 try:
                     ok = (await self.client.get(b.url + "/health", timeout=self.heartbeat)).status_code == 200
@@ -219,7 +218,7 @@ class Router:
         if not any(b.up for b in self.backends):
             return error_response("no server is up behind this router", 503)
         split = (self.of("prefill") and self.of("decode") and body.get("n", 1) == 1
-                 and not body.get("echo") and not body.get("prompt_logprobs")
+                 and not body.get("echo") and body.get("prompt_logprobs") is None
                  and (path.endswith("chat/completions") or isinstance(body.get("prompt"), str)
                       or (isinstance(body.get("prompt"), list) and body["prompt"]
                           and isinstance(body["prompt"][0], int))))

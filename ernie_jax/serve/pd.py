@@ -140,6 +140,7 @@ class PDServer:
             rid, url = str(kv["remote_request_id"]), str(kv["remote_url"])
             first, n_prompt, num_pages = int(kv["first_token_id"]), int(kv["num_prompt_tokens"]), \
                 int(kv["remote_num_pages"])
+            drafts = [int(t) for t in kv["drafts"]] if isinstance(kv.get("drafts"), list) else None
         except (KeyError, TypeError, ValueError) as e:
             raise ProtocolError(f"kv_transfer_params: missing or malformed field {e}", param="kv_transfer_params") \
                 from None
@@ -154,7 +155,6 @@ class PDServer:
             raise ProtocolError(f"kv_transfer_params: first_token_id {first} is outside [0, {vocab_size})",
                                 param="kv_transfer_params")
         lp = kv.get("first_token_logprob")
-        drafts = kv.get("drafts")
         batch, reused = None, 0
         if params.max_tokens != 1:  # otherwise the first token is the whole answer
             # the leading pages this server's prefix cache holds are not sent (one page at least is)
@@ -163,9 +163,7 @@ class PDServer:
         if batch is None:
             reused = 0
         self.reused_pages += reused
-        return Prefilled(first, lp if isinstance(lp, dict) else None,
-                         [int(t) for t in drafts] if isinstance(drafts, list) else None, batch, num_pages - reused,
-                         reused)
+        return Prefilled(first, lp if isinstance(lp, dict) else None, drafts, batch, num_pages - reused, reused)
 
     async def _fetch(self, url: str, rid: str, skip: int):
         """The request's page batch from the prefill server at url: an offer, then a pull (tried twice); on
