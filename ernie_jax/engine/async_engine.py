@@ -38,12 +38,15 @@ class AsyncEngine:
         engine.on_finish = on_finish
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, str | None]] = {}
         self._ids = itertools.count()
+        self.failed: BaseException | None = None  # fail_all's error: the engine serves nothing more
         engine.start(self._notify, self._fail)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     prompt: str | None = None, **pd) -> AsyncIterator[RequestOutput]:
         """Validates and queues now (raises RequestError); the caller never waits for a step. pd: Engine's
         export_kv / prefilled (prefill/decode across servers)."""
+        if self.failed is not None:
+            raise EngineError(f"the engine serves nothing more: {self.failed}")
         loop = asyncio.get_running_loop()
         request_id = request_id or f"async-{next(self._ids)}"
         stream: asyncio.Queue = asyncio.Queue()
@@ -74,7 +77,16 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self.engine.alive
+        return self.failed is None and self.engine.alive
+
+    def fail_all(self, error: BaseException) -> None:
+        """The engine cannot go on (an instance across processes lost one): every request in flight gets
+        `error`, new ones are refused, and `alive` turns false."""
+        self.failed = error
+        for request_id in list(self._streams):
+            target = self._streams.pop(request_id, None)
+            if target is not None:
+                target[0].call_soon_threadsafe(target[1].put_nowait, error)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.engine.validate(prompt_ids, params)

@@ -14,12 +14,18 @@ from ernie_jax.model.kv_cache import KVCache
 
 def pages_in_memory(devices: list, page_bytes: int, utilization: float) -> int | None:
     """KV pages of page_bytes (per device) that fit in `utilization` of every device's memory beside what is
-    resident already (the weights); None when the platform reports no memory limit (XLA:CPU)."""
-    stats = [d.memory_stats() for d in devices]
+    resident already (the weights); None when the platform reports no memory limit (XLA:CPU). Devices of
+    other processes (a mesh across hosts) report through their own process: every process computes its
+    local count, and all take the smallest, so each compiles the same pool."""
+    stats = [d.memory_stats() for d in devices if d.process_index == jax.process_index()]
     if any(s is None or "bytes_limit" not in s for s in stats):
         return None
     room = min(utilization * s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
-    return max(0, int(room // page_bytes))
+    pages = max(0, int(room // page_bytes))
+    if len({d.process_index for d in devices}) > 1:
+        from jax.experimental import multihost_utils
+        pages = int(np.min(multihost_utils.process_allgather(np.int64(pages))))
+    return pages
 
 
 def size_pool(cfg, *, dtype, page_size: int, mtp: bool, shardings: Callable, devices: list, num_pages: int | None,

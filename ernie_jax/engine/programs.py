@@ -24,10 +24,11 @@ from ernie_jax.engine.compile_pool import compile_all
 from ernie_jax.engine.config import CacheConfig
 from ernie_jax.engine.cpu_rules import cpu_expert_groups, platform
 from ernie_jax.engine.expert_moves import move_experts
+from ernie_jax.engine.multihost import collective
 from ernie_jax.engine.pool_sizing import size_pool
 from ernie_jax.engine.sampling_inputs import SAMPLING_ARGS
 from ernie_jax.engine.shapes import ShapeTable
-from ernie_jax.engine.step_functions import _chain_verify, lower_step, step_program
+from ernie_jax.engine.step_functions import _chain_decode, _chain_verify, lower_step, step_program
 from ernie_jax.model.ernie import ErnieForCausalLM
 from ernie_jax.model.forward import rope_cache
 from ernie_jax.model.kv_cache import KV_CACHE_DTYPES, KVCache
@@ -58,6 +59,7 @@ class ModelPrograms:
         startup_kinds: the kinds whose largest bucket compiles in the constructor; the rest wait for
         compile_rest() or take_rest() (in order of use, below)."""
         self.cfg, self.plan, self.name, self.execution = model.config, model.plan, name, model.execution
+        self.leader = None  # a mesh across processes: the followers replay each @collective call (multihost.py)
         self.k = speculative_tokens
         self.expert_placement = expert_placement
         self.expert_shape = (self.cfg.num_moe_layers, self.cfg.moe_num_experts)
@@ -173,6 +175,19 @@ class ModelPrograms:
     def _lower(self, jitted, B: int, T: int, extra: tuple = (), sampling: bool = False):
         return lower_step(jitted, *self._abstract, self.replicated, B, T, self.max_pages, extra, sampling)
 
+    def _program(self, key: tuple[str, int, int]):
+        """The executable of a bucket. A follower process (multihost.py) may be asked for one its background
+        compile has not reached yet: the leader compiled it first; it compiles here now."""
+        exe = self._programs.get(key)
+        if exe is None:
+            log.info("%s: compiling %s on first use", self.name, key)
+            t0 = time.perf_counter()
+            exe = self._lowerings[key]().compile()
+            self._programs[key] = exe
+            self.report.append((f"{self.name} {key[0]} on first use", key[1:], time.perf_counter() - t0))
+        return exe
+
+    @collective
     def place_experts(self, new) -> None:
         """EPLB: move the routed experts into a new placement's slots (engine/expert_moves.py)."""
         move_experts(self.weights, self.expert_placement, new, self.put)
@@ -190,20 +205,23 @@ class ModelPrograms:
             return False
         return True
 
+    @collective
     def reset_cache(self) -> None:
         """A fresh (zeroed) pool in place of one a failed program may have consumed: every program donates
         the pool, so after a device-side error the old buffers can be gone."""
         self.cache = jax.device_put(self._new_cache(), self.cache_shardings)
 
+    @collective
     def put(self, x):
         """Explicit host -> device copy onto this mesh (replicated); a pytree goes in one call."""
         return jax.device_put(x, self.replicated)
 
+    @collective
     def run(self, kind: str, ids, positions, logit_positions, block_tables, arrays: dict[str, Any], extra=None):
         """One prefill chunk or decode step, sampling the logits with `arrays` (Engine._sampling_arrays) as
         _step does; returns (logits, expert token counts, sampled), all on device, and with speculative
         decoding the drafts [B,k] too. extra [B]: the speculative programs' next_tokens / max_accept."""
-        fn = self._programs[(kind, *ids.shape)]
+        fn = self._program((kind, *ids.shape))
         sampling = tuple(arrays[name] for name in SAMPLING_ARGS)
         extra = () if extra is None else (extra,)
         ids, positions, logit_positions, block_tables, extra, sampling = self.put(
@@ -212,6 +230,7 @@ class ModelPrograms:
                                                           block_tables, *extra, sampling)
         return (logits, counts, sampled, *drafts)
 
+    @collective
     def run_scored(self, ids, positions, logit_positions, block_tables, targets):
         """A prefill chunk that also returns prompt logprobs: (logits, counts, (target_lp [1,T],
         top ids [1,T,MAX_LOGPROBS], top logprobs)). The program for a chunk length compiles on first use."""
@@ -228,14 +247,20 @@ class ModelPrograms:
                                                                  logit_positions, block_tables, targets)
         return logits, counts, scores
 
-    @staticmethod
-    def chain_verify(tokens, accepted, drafts, positions, steps):
+    @collective
+    def chain_decode(self, sampled_tokens, batch: int):
+        """The decode step's input ids [B,1] from the tokens [B] of a decode step not read yet (on the device)."""
+        return _chain_decode(sampled_tokens, batch)
+
+    @collective
+    def chain_verify(self, tokens, accepted, drafts, positions, steps):
         """The inputs of the verify step after a verify step of the same batch that is not read yet (its
         tokens [B,k+1], accepted counts, drafts, positions and sampling steps, on the device): ids [B,k+1]
         (each row's token at its accepted index, then its new drafts), and positions and sampling steps moved
         past the tokens it emitted, all computed on the device."""
         return _chain_verify(tokens, accepted, drafts, positions, steps)
 
+    @collective
     def sample(self, logits, arrays: dict[str, Any], num_logprobs: int):
         args = self.put(arrays)  # None entries stay None
         penalties = args.pop("penalties")

@@ -150,7 +150,7 @@ class ModelRunner:
         if ahead is None:
             ids = np.asarray([[r.output_ids[-1]] for r in reqs] + [[0]] * pad, np.int32)
         else:  # the step in flight's sampled tokens, still on the device
-            ids = ahead.sampled[0].reshape(B, 1)
+            ids = self.programs.chain_decode(ahead.sampled[0], B)
         positions = np.asarray([[r.num_tokens - 1 + lag] for r in reqs] + [[0]] * pad, np.int32)
         tables = np.stack([self._table(r.pages) for r in reqs] + [self._table([])] * pad)
         last = np.asarray([0] * len(reqs) + [-1] * pad, np.int32)  # -1: a padding row, no real token

@@ -51,6 +51,11 @@ def _spec_prefill_step(weights, input_ids, positions, cache, logit_positions, bl
     return out.logits, cache, counts, sampled, drafts
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _chain_decode(tokens, batch: int):
+    return tokens.reshape(batch, 1)
+
+
 @jax.jit
 def _chain_verify(tokens, accepted, drafts, positions, steps):
     last = jnp.take_along_axis(tokens, accepted[:, None], axis=1)

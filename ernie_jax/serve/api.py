@@ -107,7 +107,9 @@ def create_app(server: Server) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         if not server.engine.alive:
-            return _error(server, "the engine thread has stopped", 503)
+            failed = getattr(server.engine, "failed", None)
+            return _error(server, f"the engine serves nothing more: {failed}" if failed else
+                          "the engine thread has stopped", 503)
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -240,9 +242,11 @@ def _add_requests(server: Server, request_id: str, prompts: list[_Prompt], param
             for j, sample in enumerate(samples(params)):
                 rid = f"{request_id}-{i}-{j}"
                 streams.append((rid, server.engine.add_request(p.ids, sample, rid, p.text, **pd)))
-    except RequestError as e:
+    except (RequestError, EngineError) as e:
         for rid, _ in streams:
             server.engine.abort(rid)
+        if isinstance(e, EngineError):  # the engine serves nothing more (/health says why)
+            raise ProtocolError(str(e), status=503) from None
         raise ProtocolError(str(e), param=e.param) from None
     return streams
 

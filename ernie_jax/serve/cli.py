@@ -60,6 +60,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
            "heartbeats (5 s by default)")
     a("--advertise-url", default=None, metavar="URL",
       help="the URL the router and peers reach this server at (default: http://HOST:PORT)")
+    a("--num-processes", type=int, default=None,
+      help="processes one instance spans (jax.distributed; default $JAX_NUM_PROCESSES or 1): --mesh counts the "
+           "devices of all of them, each brings its share; process 0 serves the API, the others only /health")
+    a("--process-id", type=int, default=None, help="this process's index, 0 .. --num-processes - 1 (default "
+                                                   "$JAX_PROCESS_ID or 0)")
+    a("--coordinator-address", default=None, metavar="HOST:PORT",
+      help="process 0's host and a free port for jax.distributed's coordinator (default $JAX_COORDINATOR_ADDRESS)")
+    a("--distributed-timeout", type=float, default=60.0, metavar="SECONDS",
+      help="--num-processes > 1: the longest wait for the other processes (joining, their settings, their "
+           "channels), and the silence after which one counts as lost (the leader then exits 1)")
     a("--speculative-config", default=None, metavar="JSON",
       help='MTP speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 1}\' ("ernie_mtp" too; '
            'k from 1 to 4; k > 1 chains the one MTP layer)')
@@ -105,11 +115,18 @@ def main(argv: list[str] | None = None) -> int:
     launched = time.perf_counter()
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from ernie_jax.serve import distributed
     from ernie_jax.sharding.mesh import MeshError, request_host_devices
+    processes, process_id, coordinator = distributed.distributed_args(args)
     try:
-        n_devices = request_host_devices(args.mesh)
+        n_devices = request_host_devices(args.mesh, processes)
     except MeshError as e:
         raise SystemExit(f"--mesh: {e}") from None
+    if processes > 1:
+        if process_id:  # a follower answers /health (503 until it replays) from the start
+            health = {"status": "loading", "role": "follower", "process_id": process_id}
+            distributed.health_server(args.host, args.port, health)
+        kv_client = distributed.initialize(processes, process_id, coordinator, args.distributed_timeout)
 
     import jax
     import uvicorn
@@ -125,9 +142,6 @@ def main(argv: list[str] | None = None) -> int:
     from ernie_jax.serve.api import Server, create_app
     from ernie_jax.serve.metrics import ServerMetrics
 
-    if len(jax.devices()) < n_devices:
-        raise SystemExit(f"--mesh {args.mesh} needs {n_devices} devices; this machine has {len(jax.devices())} "
-                         f"({jax.default_backend()})")
     model_dir = args.model or EMBEDDED_MODEL_DIR
     if not os.path.isdir(model_dir):
         raise SystemExit(f"--model {model_dir!r} is not a folder")
@@ -156,11 +170,18 @@ def main(argv: list[str] | None = None) -> int:
             kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
             num_gpu_blocks_override=args.num_gpu_blocks_override, gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=args.enable_prefix_caching, mesh=args.mesh if n_devices > 1 else None,
-            prefill_devices=args.prefill_devices, disaggregate=args.disaggregate and args.pd_role == "mixed",
+            prefill_devices=args.prefill_devices,
+            disaggregate=args.disaggregate and args.pd_role == "mixed" and processes == 1,
             sharding=args.sharding,
             pd_policy=policy, speculative_config=speculative, eplb_config=eplb)
     except ValueError as e:  # the message names the setting (a JSON config's field included)
         raise SystemExit(f"error: {e}") from None
+    if processes > 1:  # before anything else can fail differently on each process
+        distributed.check_same_setup(kv_client, processes, process_id,
+                                     distributed.setup_of(config, model_dir, processes), args.distributed_timeout)
+    if len(jax.devices()) < n_devices:
+        raise SystemExit(f"--mesh {args.mesh} needs {n_devices} devices; this machine has {len(jax.devices())} "
+                         f"({jax.default_backend()})")
     try:
         llm = LLM(model_dir, config=config)
     except ValueError as e:  # a bad checkpoint, config or setting: its message names it
@@ -170,12 +191,18 @@ def main(argv: list[str] | None = None) -> int:
     _log_startup(llm, model_dir, args)
 
     engine = llm.engine
+    if processes > 1 and process_id:
+        os._exit(distributed.follow(engine, kv_client, process_id, args.distributed_timeout, health))
+    fatal = _Fatal()
+    leader = distributed.lead(engine, kv_client, processes, coordinator, args.distributed_timeout, fatal) \
+        if processes > 1 else None
     try:
         pd = _pd_server(engine, args)
     except KVTransferError as e:
         raise SystemExit(f"--kv-transfer-address: {e}") from None
     metrics = ServerMetrics(engine.stats, name)
     async_engine = AsyncEngine(engine, on_finish=metrics.on_finish)
+    fatal.async_engine = async_engine
     server = Server(async_engine, llm.tokenizer, name, llm.sampling_defaults, metrics,
                     max_queue_len=args.max_queue_len, max_n=args.max_n, api_key=args.api_key,
                     max_request_bytes=args.max_request_bytes, pd=pd)
@@ -200,8 +227,27 @@ def main(argv: list[str] | None = None) -> int:
     _Uvicorn(config).run()  # returns once the connections in flight are done
     left = len(engine.requests)
     async_engine.shutdown()
+    if leader is not None:
+        leader.stop()
+        jax.distributed.shutdown()
     log.info("shut down after draining (%d requests unfinished)", left)
     return 0
+
+
+class _Fatal:
+    """The instance lost a process (engine/multihost.py): fail the requests in flight with the reason, report
+    unhealthy, and exit 1 once their error events had a moment to go out, so a supervisor restarts the job."""
+    grace_seconds = 2.0
+
+    def __init__(self):
+        self.async_engine = None
+
+    def __call__(self, reason: str) -> None:
+        import threading
+        if self.async_engine is not None:
+            self.async_engine.fail_all(RuntimeError(f"the instance lost a process: {reason}"))
+        log.error("exiting 1: the instance lost a process (%s)", reason)
+        threading.Timer(self.grace_seconds if self.async_engine is not None else 0.0, os._exit, args=(1,)).start()
 
 
 def _register(router: str, url: str, pd, api_key: str | None, every: float = 5.0) -> None:

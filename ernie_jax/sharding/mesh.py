@@ -56,15 +56,18 @@ def parse_mesh_spec(spec: int | str | dict[str, int]) -> dict[str, int]:
     return {a: sizes.get(a, 1) for a in AXES}
 
 
-def request_host_devices(spec: int | str | dict[str, int] | None) -> int:
+def request_host_devices(spec: int | str | dict[str, int] | None, processes: int = 1) -> int:
     """Ask XLA for as many host (CPU) devices as the mesh `spec` needs and return that count, so a CPU-only
-    machine gets fake devices to build the mesh on. Must run before JAX creates its backends (importing jax
-    is fine); it changes only the CPU platform, so on a GPU machine the GPUs stay the default devices. A
-    device count already in XLA_FLAGS wins."""
+    machine gets fake devices to build the mesh on; a mesh over `processes` processes (jax.distributed) asks
+    each for its share. Must run before JAX creates its backends (importing jax is fine); it changes only the
+    CPU platform, so on a GPU machine the GPUs stay the default devices. A device count already in XLA_FLAGS
+    wins."""
     n = math.prod(parse_mesh_spec(spec).values()) if spec else 1
+    if n % processes:
+        raise MeshError(f"a mesh of {n} devices does not split evenly over {processes} processes")
     flags = os.environ.get("XLA_FLAGS", "")
-    if n > 1 and "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    if n // processes > 1 and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n // processes}".strip()
     return n
 
 

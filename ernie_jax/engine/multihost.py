@@ -1,0 +1,300 @@
+"""One engine instance across processes (multi-controller JAX): the leader steps the engine, the followers
+replay its device calls.
+
+Under `jax.distributed` every process holds its own devices' shards and must launch the same programs in the
+same order. The leader (process 0) runs the scheduler and the runner; each call of a `ModelPrograms` method
+that launches device work (marked `@collective`) is sent with its host inputs to every follower before the
+leader launches it, and each follower makes the same call on its own `ModelPrograms` (built from the same
+settings: the same programs, pool and weight placement). So what the leader sends per step is its plan as the
+runner executes it: which program, with which token ids, positions, block tables and sampling arrays, in
+order. A device array passed back into a later call (a chained decode step's tokens, logits to sample)
+travels as a `Handle`, (call number, leaf index) of the call that returned it; each side keeps the outputs
+of the last `WINDOW` calls. Programs return their results replicated, so the leader reads its own copy and
+nothing comes back but heartbeats and errors.
+
+Channel: one TCP connection per follower, to a port the leader publishes in jax.distributed's key-value store.
+Frames are length-prefixed pickles, read back by an unpickler that accepts numpy arrays and the project's
+plan types only.
+
+Faults: each side sends a heartbeat every `HEARTBEAT` seconds from a thread of its own. To the leader, a
+follower whose connection closes, that is silent for `timeout` seconds or that reports an error is fatal:
+`on_fatal(reason)` runs once (the server fails the requests in flight, reports unhealthy and exits
+non-zero), since the other processes' devices can no longer run the next program. A follower stops (and its
+process exits non-zero) when the leader's connection closes or is silent for `timeout`.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import io
+import logging
+import pickle
+import socket
+import struct
+import threading
+import time
+from typing import Any, Callable, NamedTuple
+
+import jax
+
+log = logging.getLogger("ernie_jax.multihost")
+
+WINDOW = 64  # calls whose outputs each side keeps for later calls (a step makes a handful)
+HEARTBEAT = 1.0  # seconds between heartbeats, each way
+
+
+class Handle(NamedTuple):
+    """A device array in a call's arguments: leaf `leaf` of what call number `call` returned."""
+    call: int
+    leaf: int
+
+
+class PeerLost(RuntimeError):
+    """The other side of the channel closed, went silent, or reported an error."""
+
+
+def collective(method):
+    """Mark a ModelPrograms method that launches device work: with a leader attached (`programs.leader`), the
+    call goes to every follower first. Calls made inside a collective call (run's put) are not sent again:
+    each follower makes them inside its own call."""
+    @functools.wraps(method)
+    def call(self, *args):
+        leader = getattr(self, "leader", None)
+        if leader is None or leader.inside:
+            return method(self, *args)
+        return leader.call(self, method, args)
+    return call
+
+
+# ---- frames -----------------------------------------------------------------------------------------------
+_ALLOWED = {("numpy", "ndarray"), ("numpy", "dtype"), ("numpy._core.multiarray", "_reconstruct"),
+            ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "scalar"),
+            ("numpy.core.multiarray", "scalar"), ("numpy._core.numeric", "_frombuffer"),
+            ("numpy.core.numeric", "_frombuffer"), ("builtins", "slice"), ("builtins", "frozenset"),
+            ("ernie_jax.engine.multihost", "Handle"), ("ernie_jax.sharding.eplb", "Placement")}
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if (module, name) not in _ALLOWED:
+            raise pickle.UnpicklingError(f"multihost channel: {module}.{name} is not a type the channel carries")
+        return super().find_class(module, name)
+
+
+def _send(sock: socket.socket, lock: threading.Lock, msg) -> None:
+    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    with lock:
+        sock.sendall(struct.pack("!Q", len(data)) + data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise PeerLost("connection closed")
+        buf += chunk
+    return bytes(buf)
+
+
+def _recv(sock: socket.socket, timeout: float):
+    sock.settimeout(timeout)
+    try:
+        (n,) = struct.unpack("!Q", _recv_exact(sock, 8))
+        return _Unpickler(io.BytesIO(_recv_exact(sock, n))).load()
+    except socket.timeout:
+        raise PeerLost(f"silent for {timeout:.0f} s (no heartbeat)") from None
+    except OSError as e:
+        raise PeerLost(f"connection lost: {e}") from None
+
+
+def _heartbeats(sock: socket.socket, lock: threading.Lock, stopped: threading.Event,
+                on_error: Callable[[str], None]) -> None:
+    while not stopped.wait(HEARTBEAT):
+        try:
+            _send(sock, lock, ("heartbeat",))
+        except OSError as e:
+            on_error(f"heartbeat not sent: {e}")
+            return
+
+
+class _Window:
+    """The outputs of the last WINDOW calls, by call number."""
+
+    def __init__(self):
+        self.calls: collections.OrderedDict[int, list] = collections.OrderedDict()
+        self.count = 0
+
+    def add(self, out) -> tuple[int, list]:
+        seq, leaves = self.count, jax.tree.leaves(out)
+        self.count += 1
+        self.calls[seq] = leaves
+        while len(self.calls) > WINDOW:
+            self.calls.popitem(last=False)
+        return seq, leaves
+
+
+# ---- the leader -------------------------------------------------------------------------------------------
+class Leader:
+    """Process 0's side: sends each collective call to the followers, watches their heartbeats."""
+
+    def __init__(self, kv_client, num_followers: int, *, host: str, timeout: float,
+                 on_fatal: Callable[[str], None]):
+        """kv_client: jax.distributed's key-value store client (where followers find the channel's address);
+        host: the address followers reach this process at; timeout: seconds to wait for the followers to
+        connect, and of silence after which one is lost."""
+        self.timeout, self.on_fatal = timeout, on_fatal
+        self._order = threading.Lock()  # a call is sent and launched before the next one is
+        self._local = threading.local()
+        self._window, self._handles = _Window(), {}
+        self._fatal = threading.Event()
+        self.calls_sent, self.bytes_sent = 0, 0
+        listener = socket.create_server((host, 0))
+        listener.settimeout(timeout)
+        address = f"{host}:{listener.getsockname()[1]}"
+        kv_client.key_value_set("ernie_jax/leader_channel", address)
+        self.followers: list[tuple[int, socket.socket, threading.Lock]] = []
+        try:
+            for _ in range(num_followers):
+                sock, _ = listener.accept()
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                hello = _recv(sock, timeout)
+                self.followers.append((hello[1], sock, threading.Lock()))
+        except (socket.timeout, PeerLost) as e:
+            raise PeerLost(f"{num_followers - len(self.followers)} of {num_followers} followers did not connect to "
+                           f"the leader's channel at {address} within {timeout:.0f} s ({e})") from None
+        finally:
+            listener.close()
+        log.info("leader: %d followers connected through %s", len(self.followers), address)
+        self._stopped = threading.Event()
+        for pid, sock, lock in self.followers:
+            for target, name in ((self._watch, "watch"), (_heartbeats, "beat")):
+                args = (pid, sock) if name == "watch" else (sock, lock, self._stopped,
+                                                            functools.partial(self._lost, pid))
+                threading.Thread(target=target, args=args, daemon=True, name=f"ernie-leader-{name}-{pid}").start()
+
+    @property
+    def inside(self) -> bool:
+        """Whether this thread is inside a collective call (its nested calls are the followers' too)."""
+        return getattr(self._local, "inside", False)
+
+    def call(self, obj, method, args: tuple):
+        """Send the call to every follower, then make it here; a failure here once they were told leaves the
+        processes out of step, so it is fatal."""
+        with self._order:
+            if self._fatal.is_set():
+                raise PeerLost("the instance lost a process; it serves nothing more")
+            msg = ("call", obj.name, method.__name__, self._encode(args))
+            data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+            for pid, sock, lock in self.followers:
+                try:
+                    with lock:
+                        sock.sendall(struct.pack("!Q", len(data)) + data)
+                except OSError as e:
+                    self._lost(pid, f"call not sent: {e}")
+                    raise PeerLost(f"follower {pid}: {e}") from None
+            self.calls_sent += 1
+            self.bytes_sent += len(data) * len(self.followers)
+            self._local.inside = True
+            try:
+                out = method(obj, *args)
+            except BaseException as e:
+                self._fail(f"{obj.name}.{method.__name__} failed on the leader after the followers were told "
+                           f"to run it: {e!r}")
+                raise
+            finally:
+                self._local.inside = False
+            seq, leaves = self._window.add(out)
+            self._handles = {k: e for k, e in self._handles.items() if e[0].call in self._window.calls}
+            for i, leaf in enumerate(leaves):
+                self._handles[id(leaf)] = (Handle(seq, i), leaf)
+            return out
+
+    def _encode(self, x):
+        if isinstance(x, jax.Array):
+            entry = self._handles.get(id(x))
+            if entry is None or entry[1] is not x:
+                raise RuntimeError("a device array in a collective call's arguments was not returned by one of the "
+                                   f"last {WINDOW} collective calls; the followers cannot name it")
+            return entry[0]
+        if type(x) in (list, tuple):
+            return type(x)(self._encode(v) for v in x)
+        if type(x) is dict:
+            return {k: self._encode(v) for k, v in x.items()}
+        return x
+
+    def _watch(self, pid: int, sock: socket.socket) -> None:
+        while not self._stopped.is_set():
+            try:
+                msg = _recv(sock, self.timeout)
+            except PeerLost as e:
+                if not self._stopped.is_set():
+                    self._lost(pid, str(e))
+                return
+            if msg[0] == "error":
+                self._lost(pid, f"reported an error: {msg[1]}")
+                return
+
+    def _lost(self, pid: int, why: str) -> None:
+        self._fail(f"follower process {pid}: {why}")
+
+    def _fail(self, reason: str) -> None:
+        if self._fatal.is_set():
+            return
+        self._fatal.set()
+        self._stopped.set()
+        log.error("multi-process instance lost: %s", reason)
+        self.on_fatal(reason)
+
+    def stop(self) -> None:
+        """Tell the followers to exit (a drained shutdown)."""
+        self._stopped.set()
+        for _, sock, lock in self.followers:
+            try:
+                _send(sock, lock, ("stop",))
+            except OSError:
+                pass
+
+
+# ---- a follower -------------------------------------------------------------------------------------------
+class Follower:
+    """Process I > 0's side: replays the leader's collective calls on this process's programs."""
+
+    def __init__(self, kv_client, process_id: int, *, timeout: float):
+        self.timeout = timeout
+        address = kv_client.blocking_key_value_get("ernie_jax/leader_channel", int(timeout * 1000))
+        host, port = address.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=timeout)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._lock, self._stopped = threading.Lock(), threading.Event()
+        _send(self.sock, self._lock, ("hello", process_id))
+        self.calls = 0
+        log.info("follower %d: connected to the leader at %s", process_id, address)
+
+    def serve(self, programs: dict[str, Any]) -> None:
+        """Replay calls until the leader says stop (returns) or is lost (raises PeerLost). programs: the
+        instances' ModelPrograms by name."""
+        threading.Thread(target=_heartbeats, args=(self.sock, self._lock, self._stopped, lambda why: None),
+                         daemon=True, name="ernie-follower-beat").start()
+        window = _Window()
+        decode = lambda x: (window.calls[x.call][x.leaf] if isinstance(x, Handle) else  # noqa: E731
+                            type(x)(decode(v) for v in x) if type(x) in (list, tuple) else
+                            {k: decode(v) for k, v in x.items()} if type(x) is dict else x)
+        try:
+            while True:
+                msg = _recv(self.sock, self.timeout)
+                if msg[0] == "heartbeat":
+                    continue
+                if msg[0] == "stop":
+                    return
+                _, target, name, args = msg
+                try:
+                    window.add(getattr(programs[target], name)(*decode(args)))
+                except Exception as e:
+                    _send(self.sock, self._lock, ("error", f"{target}.{name}: {e!r}"))
+                    raise
+                self.calls += 1
+        finally:
+            self._stopped.set()
+            time.sleep(0)  # let the heartbeat thread see it
