@@ -216,6 +216,8 @@ def test_pool_is_sized_from_device_memory_where_devices_report_it():
     from ernie_jax.engine.pool_sizing import pages_in_memory
 
     class Device:
+        process_index = 0
+
         def __init__(self, stats):
             self.memory_stats = lambda: stats
     gpus = [Device({"bytes_limit": 100_000, "bytes_in_use": 40_000}), Device({"bytes_limit": 100_000,
