@@ -82,6 +82,18 @@ def plan_program(cfg, devices, mesh_spec, *, quantization, kv_cache_dtype, batch
             "fits": {gpu: w_bytes + kv_bytes <= UTILIZATION * cap for gpu, cap in GPUS.items()}}
 
 
+def axes_across_hosts(mesh_spec, hosts: int) -> list[str]:
+    """The mesh axes along which devices of different hosts meet, with the devices numbered host by host in
+    mesh order (as jax.devices() lists them under jax.distributed)."""
+    import numpy as np
+
+    from ernie_jax.sharding.mesh import AXES, parse_mesh_spec
+    sizes = parse_mesh_spec(mesh_spec)
+    n = int(np.prod(list(sizes.values())))
+    host = (np.arange(n) // (n // hosts)).reshape([sizes[a] for a in AXES])
+    return [a for i, a in enumerate(AXES) if (np.diff(host, axis=i) != 0).any()]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ernie_jax.plan", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -99,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--speculative-config", default=None, metavar="JSON",
                     help='MTP speculative decoding, as the server takes it: the speculative programs (prefill '
                          'with MTP drafts; decode verifying k drafts, k + 1 tokens per sequence)')
+    ap.add_argument("--num-processes", type=int, default=1,
+                    help="hosts the mesh spans (one process each, as `serve --num-processes`): the plan says which "
+                         "mesh axes cross hosts (their collectives go over the network)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -135,8 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     prefill_devs = devices[:p_dev]
     decode_devs = devices[p_dev:p_dev + d_dev] if disagg else devices
     prefill_pool = decode_pool  # each PD submesh's pool is sized by the same rule
+    if n % args.num_processes or (disagg and args.num_processes > 1):
+        ap.error(f"--num-processes {args.num_processes}: the {n} devices must split evenly, and an instance across "
+                 "processes is colocated (no --prefill-devices / --decode-devices)")
     report = {"model": args.model, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
-              "disaggregated": disagg,
+              "disaggregated": disagg, "num_processes": args.num_processes,
+              "axes_across_hosts": axes_across_hosts(args.mesh, args.num_processes),
               "speculative_tokens": k,
               "prefill": plan_program(cfg, prefill_devs, len(prefill_devs) if disagg else args.mesh, batch=1,
                                       tokens=prefill_tokens, num_pages=prefill_pool,
@@ -150,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.model} ({args.quantization or 'bf16'} weights, {args.kv_cache_dtype} KV), "
           f"{'disaggregated' if disagg else 'colocated'} on {n} devices"
           f"{f', MTP with {k} draft tokens' if k else ''}; ops: {report['decode']['execution']}")
+    if args.num_processes > 1:
+        across = report["axes_across_hosts"]
+        print(f"{args.num_processes} hosts x {n // args.num_processes} devices; mesh axes across hosts: "
+              f"{', '.join(across) or 'none'} (their collectives cross the network), the others within a host")
     print("| program | devices | weights GB | KV pool GB | weights+KV GB | temp GB (XLA:CPU) | GFLOP (XLA) | "
           "compile s | KV tokens that fit, H200 | H100 |")
     print("|---|---|---|---|---|---|---|---|---|---|")

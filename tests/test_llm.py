@@ -128,7 +128,7 @@ def test_text_prompts_with_a_sentencepiece_tokenizer(tmp_path):
     spm.SentencePieceTrainer.train(sentence_iterator=iter(text), model_prefix=str(d / "tokenizer"),
                                    vocab_size=120, model_type="bpe", character_coverage=1.0,
                                    user_defined_symbols=["<|end_of_sentence|>"], minloglevel=2)
-    llm = LLM(str(d), dtype="float32", max_model_len=64, max_num_seqs=4)
+    llm = LLM(str(d), dtype="float32", max_model_len=32, max_num_seqs=1)
     assert llm.tokenizer is not None and llm.tokenizer.token_id("<|end_of_sentence|>") in llm.eos_token_ids
     out = llm.generate(["hello world"], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
     assert out.prompt == "hello world" and out.prompt_token_ids == llm.tokenizer.encode("hello world")

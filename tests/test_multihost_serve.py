@@ -3,6 +3,7 @@ leader serves, the follower replays its device calls (engine/multihost.py, serve
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -12,6 +13,9 @@ import time
 
 import httpx
 import pytest
+import sentencepiece as spm
+
+from tests.conftest import GOLDEN
 
 from tests.serving import AUTH, ROOT, launch, server_state, wait_healthy
 
@@ -22,6 +26,19 @@ MESH = "data=1,expert=2,tensor=4"
 ENGINE = [f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}" for k, v in SETTINGS.items()]
 ENGINE += ["--no-background-compile"]
 PROMPTS = ["Tell me about the sea.", "The king said"]
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory) -> str:
+    """A golden checkpoint (4 layers, 8 experts) with a SentencePiece tokenizer trained here: programs that
+    compile in a fraction of the embedded model's time, for the default suite's end-to-end case."""
+    d = tmp_path_factory.mktemp("multihost") / "model"
+    shutil.copytree(GOLDEN / "shared_untied" / "paddle", d)
+    text = ["Tell me about the sea and the king", "The king said that the sea is wide", "about the wide sea"] * 50
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(text), model_prefix=str(d / "tokenizer"), vocab_size=64,
+                                   model_type="bpe", character_coverage=1.0,
+                                   user_defined_symbols=["<|end_of_sentence|>"], minloglevel=2)
+    return str(d)
 
 
 def _free_port() -> int:
@@ -46,24 +63,29 @@ def _kill(*servers) -> None:
             s["proc"].wait()
 
 
-def _complete(url: str, prompt: str, max_tokens: int = 16, **extra) -> str:
+def _complete(url: str, prompt: str, logprobs: int | None = 0, **extra) -> tuple[str, list[float] | None]:
+    """(text, each token's logprob): the small model's tokenizer covers a fraction of its vocabulary, so the
+    logprobs tell its tokens apart where the text cannot (logprobs None: the text only)."""
     r = httpx.post(url + "/v1/completions", headers=AUTH, timeout=120, json={
-        "model": "ernie-4.5-tiny-fp8", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra})
+        "prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": logprobs, **extra})
     assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["text"]
+    choice = r.json()["choices"][0]
+    return choice["text"], logprobs if logprobs is None else [round(x, 5) for x in choice["logprobs"]["token_logprobs"]]
 
 
-def _reference(ignore_eos: bool = False, **settings) -> list[str]:
-    """The same settings and mesh in one process (this test process with its 8 devices), each prompt alone."""
+def _reference(model: str | None = None, ignore_eos: bool = False, logprobs: int | None = 0, **settings) -> list:
+    """The same model, settings and mesh in one process (this test process with its 8 devices), each prompt
+    alone."""
     from ernie_jax import LLM
     from ernie_jax.sampling import SamplingParams
-    llm = LLM(mesh=MESH, disaggregate=False, **SETTINGS, **settings)
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=ignore_eos)
-    return [llm.generate([p], params)[0].outputs[0].text for p in PROMPTS]
+    llm = LLM(model, mesh=MESH, disaggregate=False, **SETTINGS, **settings)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=ignore_eos, logprobs=logprobs)
+    outs = [llm.generate([p], params)[0].outputs[0] for p in PROMPTS]
+    return [(o.text, logprobs if logprobs is None else [round(e["logprob"], 5) for e in o.logprobs]) for o in outs]
 
 
-def test_two_processes_serve_as_one_and_a_killed_follower_ends_the_job():
-    leader, follower = _job()
+def test_two_processes_serve_as_one_and_a_killed_follower_ends_the_job(small_model):
+    leader, follower = _job(["--model", small_model])
     try:
         deadline = time.time() + 600
         wait_healthy(leader, deadline)
@@ -72,7 +94,7 @@ def test_two_processes_serve_as_one_and_a_killed_follower_ends_the_job():
         assert health["role"] == "follower" and health["process_id"] == 1
         assert httpx.get(follower["url"] + "/v1/models", timeout=5).status_code == 404  # only /health
         got = [_complete(leader["url"], p) for p in PROMPTS]
-        assert got == _reference(), server_state(leader)
+        assert got == _reference(small_model), server_state(leader)
         assert httpx.get(follower["url"] + "/health", timeout=5).json()["calls"] > 0
 
         # kill -9 the follower mid-stream: the stream ends with an error event, the leader exits non-zero
@@ -81,7 +103,7 @@ def test_two_processes_serve_as_one_and_a_killed_follower_ends_the_job():
 
         def stream():
             with httpx.stream("POST", leader["url"] + "/v1/completions", headers=AUTH, timeout=60, json={
-                    "model": "ernie-4.5-tiny-fp8", "prompt": PROMPTS[0], "max_tokens": 40, "ignore_eos": True,
+                    "prompt": PROMPTS[0], "max_tokens": 40, "ignore_eos": True,
                     "stream": True}) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: "):
@@ -108,20 +130,32 @@ def _run(args: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def test_bad_process_settings_fail_fast_naming_the_setting():
-    r = _run(["--mesh", "8", "--num-processes", "2", "--process-id", "2", "--coordinator-address", "127.0.0.1:1"])
-    assert r.returncode != 0 and "--process-id 2 is out of range for --num-processes 2" in r.stderr
-    r = _run(["--mesh", "6", "--num-processes", "4", "--process-id", "1", "--coordinator-address", "127.0.0.1:1"])
-    assert r.returncode != 0 and "does not split evenly over 4 processes" in r.stderr
-    r = _run(["--mesh", "8", "--num-processes", "2", "--process-id", "1"])
-    assert r.returncode != 0 and "--coordinator-address" in r.stderr
-    r = _run(["--mesh", "8", "--num-processes", "2", "--process-id", "0", "--coordinator-address", "127.0.0.1:1",
-              "--pd-role", "prefill"])
-    assert r.returncode != 0 and "--pd-role prefill with --num-processes 2" in r.stderr
-    t0 = time.time()  # nobody at the coordinator: a clear error within the timeout, not the runtime's abort
+def test_bad_process_flags_are_refused_naming_the_flag():
+    from ernie_jax.serve.cli import parse_args
+    from ernie_jax.serve.distributed import distributed_args
+    from ernie_jax.sharding.mesh import MeshError, request_host_devices
+
+    def refused(*argv) -> str:
+        with pytest.raises(SystemExit) as e:
+            distributed_args(parse_args(["--mesh", "8", "--num-processes", "2", *argv]))
+        return str(e.value)
+    assert "--process-id 2 is out of range for --num-processes 2 (0 .. 1)" in refused("--process-id", "2")
+    assert "needs --coordinator-address HOST:PORT" in refused("--process-id", "1")
+    coordinator = ["--coordinator-address", "127.0.0.1:1"]
+    assert "--pd-role prefill with --num-processes 2" in refused(*coordinator, "--pd-role", "prefill")
+    assert "--prefill-devices with --num-processes 2" in refused(*coordinator, "--prefill-devices", "4")
+    with pytest.raises(MeshError, match="a mesh of 6 devices does not split evenly over 4 processes"):
+        request_host_devices("6", 4)
+
+
+def test_an_unreachable_coordinator_is_a_clear_error_within_the_timeout():
+    """Nobody at the coordinator: the follower says so within --distributed-timeout (the runtime itself would
+    abort the process without naming the flag)."""
+    t0 = time.time()
     r = _run(["--mesh", "8", "--num-processes", "2", "--process-id", "1", "--coordinator-address",
               f"127.0.0.1:{_free_port()}", "--distributed-timeout", "2"])
-    assert r.returncode == 1 and "nothing answered there within 2 s" in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 1 and "--coordinator-address" in r.stderr, r.stderr[-2000:]
+    assert "nothing answered there within 2 s" in r.stderr
     assert time.time() - t0 < 30
 
 
@@ -129,7 +163,7 @@ def test_bad_process_settings_fail_fast_naming_the_setting():
     (["--max-num-seqs", "4"], "--max-num-seqs differs between processes: process 0 has 2, process 1 has 4"),
     (["--num-processes", "4"], "--num-processes differs between processes"),
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype differs between processes"),
-])
+], ids=["max-num-seqs", "num-processes", "kv-cache-dtype"])
 def test_processes_launched_differently_both_exit_naming_the_setting(follower_extra, message):
     leader, follower = _job(follower_extra=follower_extra, timeout=20)
     try:
@@ -156,12 +190,13 @@ def test_mtp_and_expert_replacements_mid_generation_across_processes_then_a_drai
         deadline = time.time() + 900
         wait_healthy(leader, deadline)
         wait_healthy(follower, deadline)
-        got = [_complete(leader["url"], p, ignore_eos=True) for p in PROMPTS]
+        got = [_complete(leader["url"], p, None, ignore_eos=True) for p in PROMPTS]  # no logprobs: MTP drafts
         r = httpx.post(leader["url"] + "/v1/admin/rebalance_experts", headers=AUTH, timeout=60)
         assert r.status_code == 200, r.text
-        got.append(_complete(leader["url"], PROMPTS[0], ignore_eos=True))
+        got.append(_complete(leader["url"], PROMPTS[0], None, ignore_eos=True))
         assert metric(metrics(leader["url"]), "ernie_jax:eplb_rebalances_total") >= 2, server_state(leader)
-        assert got[:2] == _reference(True, dtype="float32", speculative_config=spec, eplb_config=eplb) and got[2] == got[0]
+        assert got[:2] == _reference(None, True, None, dtype="float32", speculative_config=spec,
+                                       eplb_config=eplb) and got[2] == got[0]
         leader["proc"].send_signal(signal.SIGTERM)
         assert leader["proc"].wait(timeout=60) == 0, server_state(leader)
         assert follower["proc"].wait(timeout=60) == 0, server_state(follower)

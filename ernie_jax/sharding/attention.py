@@ -58,6 +58,8 @@ def paged_attention_sharded(q, k_pages, v_pages, k_scale, v_scale, block_tables,
         note_fallback("paged_attention", implementation, f"mesh {dict(plan.mesh.shape)}: {K} KV heads do not "
                       f"split {n} ways, so every device attends all heads")
         heads, pool, scales = P(), P(), P()
+    elif not axes:  # the rules split no axis over the KV heads (dp_attn_ep with data=1): each device has them all
+        heads, pool, scales = P(), P(), P()
     else:
         ax = axes if len(axes) > 1 else axes[0]
         heads, pool, scales = P(None, None, ax, None), P(None, None, ax, None), P(None, None, ax)
