@@ -1,10 +1,11 @@
 """One instance over two processes (jax.distributed) against the same mesh in one process, on this
 machine's CPU devices.
 
-    python benchmarks/multihost.py [--setups one,two] [--concurrency 1,16] [--out FILE]
+    python benchmarks/multihost.py [--mesh data=1,expert=2,tensor=4] [--setups one,two] [--concurrency 1,16]
+        [--out FILE]
 
 Setups (the embedded model, colocated on an 8-device mesh, each process setting up its own fake CPU devices):
-- one: `python -m ernie_jax.serve --mesh 8 --no-disaggregate` (one process, 8 devices)
+- one: `python -m ernie_jax.serve --mesh MESH --no-disaggregate` (one process, 8 devices)
 - two: the same with `--num-processes 2`: a leader and a follower with 4 devices each (engine/multihost.py)
 For each, `python -m ernie_jax.bench serve` at each concurrency (TPOT and TTFT p50, output tok/s); for `two`,
 the leader's channel totals from its log after a drained stop: calls sent to the follower, bytes, and the
@@ -32,7 +33,7 @@ sys.path.insert(0, ROOT)
 from tests.serving import launch, wait_healthy  # noqa: E402
 
 KEY = "test-key"
-COMMON = ["--mesh", "8", "--no-disaggregate", "--max-model-len", "512", "--max-num-seqs", "16",
+COMMON = ["--no-disaggregate", "--max-model-len", "512", "--max-num-seqs", "16",
           "--max-num-batched-tokens", "128", "--no-background-compile"]
 
 
@@ -43,12 +44,12 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def setup(name: str):
+def setup(name: str, mesh: str):
     """The processes of a setup, up; yields (the URL clients send to, the processes)."""
     if name == "one":
-        procs = [launch("ernie_jax.serve", COMMON)]
+        procs = [launch("ernie_jax.serve", COMMON + ["--mesh", mesh])]
     else:
-        job = COMMON + ["--num-processes", "2", "--coordinator-address", f"127.0.0.1:{_free_port()}"]
+        job = COMMON + ["--mesh", mesh, "--num-processes", "2", "--coordinator-address", f"127.0.0.1:{_free_port()}"]
         procs = [launch("ernie_jax.serve", job + ["--process-id", "0"]),
                  launch("ernie_jax.serve", job + ["--process-id", "1"])]
     try:
@@ -87,15 +88,18 @@ def channel_totals(leader: dict) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mesh", default="data=1,expert=2,tensor=4",
+                    help="the default splits heads within a process and experts across the two (the layout of one "
+                         "instance over two hosts); 8 splits heads 8 ways, across the processes")
     ap.add_argument("--setups", default="one,two")
     ap.add_argument("--concurrency", default="1,16")
     ap.add_argument("--out", default=None, help="append the results as JSON lines here")
     args = ap.parse_args()
     results = []
     for name in args.setups.split(","):
-        with setup(name) as (url, procs):
+        with setup(name, args.mesh) as (url, procs):
             for c in (int(x) for x in args.concurrency.split(",")):
-                row = {"setup": name, "concurrency": c, **serve_bench(url, c)}
+                row = {"setup": name, "mesh": args.mesh, "concurrency": c, **serve_bench(url, c)}
                 print(json.dumps(row), flush=True)
                 results.append(row)
             if name == "two":
