@@ -77,6 +77,7 @@ SLOW_CASES: dict[str, tuple[str, ...]] = {
     "test_multihost.py::test_two_processes_match_single_process": (),
     "test_multihost_serve.py::test_mtp_and_expert_replacements_mid_generation_across_processes_then_a_drained_stop": (),
     "test_multihost_serve.py::test_processes_launched_differently_both_exit_naming_the_setting": ("max-num-seqs",),
+    "test_multihost_serve.py::test_a_killed_leader_ends_the_follower": (),
     "test_notebooks.py::test_notebook_runs": (),
     "test_kv_memory.py::test_greedy_unchanged_by_prefix_caching_and_preemption": ("single-auto",),
     "test_pd.py::test_decode_keeps_stepping_while_a_2000_token_prompt_prefills": (),

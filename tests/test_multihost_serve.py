@@ -163,7 +163,9 @@ def test_an_unreachable_coordinator_is_a_clear_error_within_the_timeout():
     (["--max-num-seqs", "4"], "--max-num-seqs differs between processes: process 0 has 2, process 1 has 4"),
     (["--num-processes", "4"], "--num-processes differs between processes"),
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype differs between processes"),
-], ids=["max-num-seqs", "num-processes", "kv-cache-dtype"])
+    (["--mesh", "data=1,expert=4,tensor=2"], "--mesh differs between processes"),
+    (["--model", str(GOLDEN / "shared_untied" / "paddle")], "the model (--model's config and weight files) differs"),
+], ids=["max-num-seqs", "num-processes", "kv-cache-dtype", "mesh", "model"])
 def test_processes_launched_differently_both_exit_naming_the_setting(follower_extra, message):
     leader, follower = _job(follower_extra=follower_extra, timeout=20)
     try:
@@ -200,5 +202,21 @@ def test_mtp_and_expert_replacements_mid_generation_across_processes_then_a_drai
         leader["proc"].send_signal(signal.SIGTERM)
         assert leader["proc"].wait(timeout=60) == 0, server_state(leader)
         assert follower["proc"].wait(timeout=60) == 0, server_state(follower)
+    finally:
+        _kill(leader, follower)
+
+
+def test_a_killed_leader_ends_the_follower(small_model):
+    leader, follower = _job(["--model", small_model])
+    try:
+        deadline = time.time() + 600
+        wait_healthy(leader, deadline)
+        wait_healthy(follower, deadline)
+        leader["proc"].send_signal(signal.SIGKILL)
+        t0 = time.time()
+        assert follower["proc"].wait(timeout=30) == 1, server_state(follower)
+        assert time.time() - t0 < 30
+        with open(follower["log"]) as f:
+            assert "the leader is lost" in f.read()
     finally:
         _kill(leader, follower)
