@@ -1,6 +1,7 @@
 """One server instance over two processes (jax.distributed, 2 processes x 4 CPU devices on loopback): the
 leader serves, the follower replays its device calls (engine/multihost.py, serve/distributed.py)."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -56,6 +57,19 @@ def _job(extra: list[str] = (), follower_extra: list[str] = (), timeout: float =
     return leader, follower
 
 
+@contextlib.contextmanager
+def _serving(extra: list[str]):
+    """A leader and a follower (_job), both healthy; killed on the way out if they still run."""
+    leader, follower = _job(extra)
+    try:
+        deadline = time.time() + 900
+        wait_healthy(leader, deadline)
+        wait_healthy(follower, deadline)
+        yield leader, follower
+    finally:
+        _kill(leader, follower)
+
+
 def _kill(*servers) -> None:
     for s in servers:
         if s["proc"].poll() is None:
@@ -85,11 +99,7 @@ def _reference(model: str | None = None, ignore_eos: bool = False, logprobs: int
 
 
 def test_two_processes_serve_as_one_and_a_killed_follower_ends_the_job(small_model):
-    leader, follower = _job(["--model", small_model])
-    try:
-        deadline = time.time() + 600
-        wait_healthy(leader, deadline)
-        wait_healthy(follower, deadline)
+    with _serving(["--model", small_model]) as (leader, follower):
         health = httpx.get(follower["url"] + "/health", timeout=5).json()
         assert health["role"] == "follower" and health["process_id"] == 1
         assert httpx.get(follower["url"] + "/v1/models", timeout=5).status_code == 404  # only /health
@@ -119,8 +129,6 @@ def test_two_processes_serve_as_one_and_a_killed_follower_ends_the_job(small_mod
         assert "lost a process" in json.loads(events[-2])["error"]["message"]
         assert leader["proc"].wait(timeout=30) != 0, server_state(leader)
         assert time.time() - t0 < 30
-    finally:
-        _kill(leader, follower)
 
 
 def _run(args: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
@@ -186,12 +194,8 @@ def test_mtp_and_expert_replacements_mid_generation_across_processes_then_a_drai
     from tests.serving import metric, metrics
     spec = {"method": "mtp", "num_speculative_tokens": 1}
     eplb = {"num_redundant_experts": 8, "window_size": 16, "step_interval": 8}
-    leader, follower = _job(["--dtype", "float32", "--speculative-config", json.dumps(spec), "--eplb-config",
-                             json.dumps(eplb)])
-    try:
-        deadline = time.time() + 900
-        wait_healthy(leader, deadline)
-        wait_healthy(follower, deadline)
+    with _serving(["--dtype", "float32", "--speculative-config", json.dumps(spec), "--eplb-config",
+                   json.dumps(eplb)]) as (leader, follower):
         got = [_complete(leader["url"], p, None, ignore_eos=True) for p in PROMPTS]  # no logprobs: MTP drafts
         r = httpx.post(leader["url"] + "/v1/admin/rebalance_experts", headers=AUTH, timeout=60)
         assert r.status_code == 200, r.text
@@ -202,21 +206,13 @@ def test_mtp_and_expert_replacements_mid_generation_across_processes_then_a_drai
         leader["proc"].send_signal(signal.SIGTERM)
         assert leader["proc"].wait(timeout=60) == 0, server_state(leader)
         assert follower["proc"].wait(timeout=60) == 0, server_state(follower)
-    finally:
-        _kill(leader, follower)
 
 
 def test_a_killed_leader_ends_the_follower(small_model):
-    leader, follower = _job(["--model", small_model])
-    try:
-        deadline = time.time() + 600
-        wait_healthy(leader, deadline)
-        wait_healthy(follower, deadline)
+    with _serving(["--model", small_model]) as (leader, follower):
         leader["proc"].send_signal(signal.SIGKILL)
         t0 = time.time()
         assert follower["proc"].wait(timeout=30) == 1, server_state(follower)
         assert time.time() - t0 < 30
         with open(follower["log"]) as f:
             assert "the leader is lost" in f.read()
-    finally:
-        _kill(leader, follower)
