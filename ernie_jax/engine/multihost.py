@@ -169,10 +169,9 @@ class Leader:
         log.info("leader: %d followers connected through %s", len(self.followers), address)
         self._stopped = threading.Event()
         for pid, sock, lock in self.followers:
-            for target, name in ((self._watch, "watch"), (_heartbeats, "beat")):
-                args = (pid, sock) if name == "watch" else (sock, lock, self._stopped,
-                                                            functools.partial(self._lost, pid))
-                threading.Thread(target=target, args=args, daemon=True, name=f"ernie-leader-{name}-{pid}").start()
+            threading.Thread(target=self._watch, args=(pid, sock), daemon=True, name=f"ernie-leader-watch-{pid}").start()
+            threading.Thread(target=_heartbeats, args=(sock, lock, self._stopped, functools.partial(self._lost, pid)),
+                             daemon=True, name=f"ernie-leader-beat-{pid}").start()
 
     @property
     def inside(self) -> bool:
@@ -301,4 +300,3 @@ class Follower:
                 self.calls += 1
         finally:
             self._stopped.set()
-            time.sleep(0)  # let the heartbeat thread see it
