@@ -13,6 +13,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 import sentencepiece as spm
 
@@ -31,12 +32,15 @@ PROMPTS = ["Tell me about the sea.", "The king said"]
 
 @pytest.fixture(scope="module")
 def small_model(tmp_path_factory) -> str:
-    """A golden checkpoint (4 layers, 8 experts) with a SentencePiece tokenizer trained here: programs that
-    compile in a fraction of the embedded model's time, for the default suite's end-to-end case."""
+    """A golden checkpoint (4 layers, 8 experts) with a SentencePiece tokenizer trained here on random words, one
+    piece per id of the model's 256: programs that compile in a fraction of the embedded model's time, and
+    texts that tell its tokens apart."""
     d = tmp_path_factory.mktemp("multihost") / "model"
     shutil.copytree(GOLDEN / "shared_untied" / "paddle", d)
-    text = ["Tell me about the sea and the king", "The king said that the sea is wide", "about the wide sea"] * 50
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(text), model_prefix=str(d / "tokenizer"), vocab_size=64,
+    rng = np.random.default_rng(0)
+    words = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), rng.integers(2, 7))) for _ in range(400)]
+    text = [" ".join(rng.choice(words, 12)) for _ in range(600)]
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(text), model_prefix=str(d / "tokenizer"), vocab_size=256,
                                    model_type="bpe", character_coverage=1.0,
                                    user_defined_symbols=["<|end_of_sentence|>"], minloglevel=2)
     return str(d)
@@ -77,11 +81,10 @@ def _kill(*servers) -> None:
             s["proc"].wait()
 
 
-def _complete(url: str, prompt: str, logprobs: int | None = 0, **extra) -> tuple[str, list[float] | None]:
-    """(text, each token's logprob): the small model's tokenizer covers a fraction of its vocabulary, so the
-    logprobs tell its tokens apart where the text cannot (logprobs None: the text only)."""
+def _complete(url: str, prompt: str | list[int], logprobs: int | None = 0, **extra) -> tuple[str, list[float] | None]:
+    """(text, each token's logprob rounded to 1e-5; None when logprobs is None)."""
     r = httpx.post(url + "/v1/completions", headers=AUTH, timeout=120, json={
-        "prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": logprobs, **extra})
+        "prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": logprobs, **extra})  # extra may override
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     return choice["text"], logprobs if logprobs is None else [round(x, 5) for x in choice["logprobs"]["token_logprobs"]]
@@ -216,3 +219,31 @@ def test_a_killed_leader_ends_the_follower(small_model):
         assert time.time() - t0 < 30
         with open(follower["log"]) as f:
             assert "the leader is lost" in f.read()
+
+
+def test_prefix_caching_and_preemption_across_processes(small_model):
+    """A pool of 5 usable pages for two concurrent 30-token prompts that each grow to 4 pages: one is
+    preempted and recomputed; the same prompt again reuses a cached page. Every answer equals the prompt
+    alone in one process with the same pool."""
+    from tests.serving import metric, metrics
+    prompts = [np.random.default_rng(i).integers(4, 256, 30).tolist() for i in range(2)]  # 2 pages each, 4 at the end
+    pool = ["--num-gpu-blocks-override", "6"]
+    with _serving(["--model", small_model, *pool]) as (leader, _):
+        results: dict[int, tuple] = {}
+        # tokens only: a recomputed request's later logits come from prefill programs (last digits differ)
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, _complete(
+            leader["url"], prompts[i], None, max_tokens=20, ignore_eos=True))) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        again = _complete(leader["url"], prompts[0], None, max_tokens=20, ignore_eos=True)
+        m = metrics(leader["url"])
+        assert metric(m, "ernie_jax:num_preemptions_total") >= 1, server_state(leader)
+        assert metric(m, "ernie_jax:prefix_cache_hits_total") >= 16, server_state(leader)  # a full page at least
+    from ernie_jax import LLM
+    from ernie_jax.sampling import SamplingParams
+    llm = LLM(small_model, mesh=MESH, disaggregate=False, num_gpu_blocks_override=6, **SETTINGS)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    want = [(llm.generate(prompt_token_ids=[p], sampling_params=params)[0].outputs[0].text, None) for p in prompts]
+    assert [results[0], results[1], again] == [want[0], want[1], want[0]]
