@@ -84,7 +84,7 @@ def _kill(*servers) -> None:
 def _complete(url: str, prompt: str | list[int], logprobs: int | None = 0, **extra) -> tuple[str, list[float] | None]:
     """(text, each token's logprob rounded to 1e-5; None when logprobs is None)."""
     r = httpx.post(url + "/v1/completions", headers=AUTH, timeout=120, json={
-        "prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": logprobs, **extra})  # extra may override
+        "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": logprobs, **extra})  # extra may override
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     return choice["text"], logprobs if logprobs is None else [round(x, 5) for x in choice["logprobs"]["token_logprobs"]]
@@ -96,7 +96,7 @@ def _reference(model: str | None = None, ignore_eos: bool = False, logprobs: int
     from ernie_jax import LLM
     from ernie_jax.sampling import SamplingParams
     llm = LLM(model, mesh=MESH, disaggregate=False, **SETTINGS, **settings)
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=ignore_eos, logprobs=logprobs)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=ignore_eos, logprobs=logprobs)
     outs = [llm.generate([p], params)[0].outputs[0] for p in PROMPTS]
     return [(o.text, logprobs if logprobs is None else [round(e["logprob"], 5) for e in o.logprobs]) for o in outs]
 

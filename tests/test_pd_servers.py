@@ -17,7 +17,7 @@ from tests.serving import AUTH, KEY, ROOT, launch, metric, metrics, running_serv
 
 # Every program compiled before "ready": a background compile beside the tests (lowering holds the GIL) can
 # delay a server's answers and heartbeats by seconds on 2 busy cores.
-COMMON = ["--mesh", "4", "--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+COMMON = ["--mesh", "4", "--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "16",
           "--batch-invariant", "--no-background-compile"]
 PROMPTS = ["The sea is", "说说曹操。", "Tell me about the mountains and the rivers of"]
 EXPIRY = 8  # seconds the prefill server keeps an unpulled prompt's KV (the router's pulls come within ms)
