@@ -62,7 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       help="the URL the router and peers reach this server at (default: http://HOST:PORT)")
     a("--num-processes", type=int, default=None,
       help="processes one instance spans (jax.distributed; default $JAX_NUM_PROCESSES or 1): --mesh counts the "
-           "devices of all of them, each brings its share; process 0 serves the API, the others only /health")
+           "devices of all of them, each brings its share; the instance serves colocated on the whole mesh; "
+           "process 0 serves the API, the others only /health (docs/multihost.md)")
     a("--process-id", type=int, default=None, help="this process's index, 0 .. --num-processes - 1 (default "
                                                    "$JAX_PROCESS_ID or 0)")
     a("--coordinator-address", default=None, metavar="HOST:PORT",
