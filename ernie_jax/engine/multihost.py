@@ -82,10 +82,15 @@ class _Unpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def _send(sock: socket.socket, lock: threading.Lock, msg) -> None:
+def _frame(msg) -> bytes:
     data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    return struct.pack("!Q", len(data)) + data
+
+
+def _send(sock: socket.socket, lock: threading.Lock, msg) -> None:
+    frame = _frame(msg)
     with lock:
-        sock.sendall(struct.pack("!Q", len(data)) + data)
+        sock.sendall(frame)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -186,16 +191,16 @@ class Leader:
                 raise PeerLost("the instance lost a process; it serves nothing more")
             t0 = time.perf_counter()
             msg = ("call", obj.name, method.__name__, self._encode(args))
-            data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+            frame = _frame(msg)  # once for every follower
             for pid, sock, lock in self.followers:
                 try:
                     with lock:
-                        sock.sendall(struct.pack("!Q", len(data)) + data)
+                        sock.sendall(frame)
                 except OSError as e:
                     self._lost(pid, f"call not sent: {e}")
                     raise PeerLost(f"follower {pid}: {e}") from None
             self.calls_sent += 1
-            self.bytes_sent += len(data) * len(self.followers)
+            self.bytes_sent += len(frame) * len(self.followers)
             self.send_seconds += time.perf_counter() - t0
             self._local.inside = True
             try:
