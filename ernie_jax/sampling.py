@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ernie_jax.structured.spec import StructuredOutputError, StructuredOutputsParams
+
 MAX_LOGPROBS = 20
 
 
@@ -77,6 +79,8 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives to return with each token's logprob
     prompt_logprobs: int | None = None  # the same for each prompt token (the first has none)
     logit_bias: dict[int, float] | None = None  # token id -> value added to its logit (OpenAI's logit_bias)
+    # what the text must match: a JSON schema, a regex, a choice or a grammar (ernie_jax.structured)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         self.check()
@@ -128,6 +132,13 @@ class SamplingParams:
         if not all(_is_int(t) for t in self.stop_token_ids or []):
             bad("stop_token_ids", "must be a list of integers")
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                bad("structured_outputs", "must be a StructuredOutputsParams")
+            try:
+                self.structured_outputs.check()
+            except StructuredOutputError as e:
+                raise SamplingParamsError("structured_outputs", str(e)) from None
 
     def for_sample(self, j: int) -> SamplingParams:
         """The parameters of sample j of the n this asks for: one sample each; a seeded request's sample j
@@ -149,10 +160,12 @@ def _row_key(seed, step):
 @jax.named_scope("sampling")
 def sample(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array, seeds: jax.Array,
            steps: jax.Array, min_p: jax.Array | None = None, penalties: tuple | None = None,
-           num_logprobs: int = 0):
+           allowed: jax.Array | None = None, num_logprobs: int = 0):
     """logits [B,V] f32; temperature, top_p, min_p [B] f32; top_k [B] int32; seeds [B] uint32; steps [B] int32.
     penalties: None or (presence [B], frequency [B], repetition [B], output_counts [B,V], prompt_mask [B,V],
     logit_bias [B,V]) -- the bias carries -inf on stop tokens while a row is below its min_tokens.
+    allowed: None or [B, ceil(V/32)] int32, the tokens each row may take (bit t%32 of word t//32; structured
+    output): the others are never sampled. Logprobs stay the model's, before the mask (as vLLM's).
 
     Returns (token ids [B] int32, token logprobs [B] f32, top ids [B,n], top logprobs [B,n]).
     """
@@ -163,6 +176,8 @@ def sample(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: j
         rep = repetition[:, None]
         logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
         logits = logits - frequency[:, None] * counts - presence[:, None] * (counts > 0) + bias
+    if allowed is not None:
+        logits = jnp.where(unpack_bitmask(allowed, logits.shape[-1]), logits, -jnp.inf)
     greedy = _argmax(logits)
     # An all-greedy batch skips the full-vocabulary sort (lax.cond runs one branch).
     tokens = lax.cond(jnp.any(temperature > 0), lambda: _sample_rows(
@@ -171,6 +186,12 @@ def sample(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: j
     top_lp, top_ids = lax.top_k(logprobs_all, num_logprobs) if num_logprobs else (
         jnp.zeros((logits.shape[0], 0)), jnp.zeros((logits.shape[0], 0), jnp.int32))
     return tokens, token_logprobs, top_ids.astype(jnp.int32), top_lp
+
+
+def unpack_bitmask(words: jax.Array, V: int) -> jax.Array:
+    """[B, W] int32 words -> [B, V] bool: bit t % 32 of word t // 32 says whether token t is allowed."""
+    bits = (words[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    return bits.reshape(words.shape[0], -1)[:, :V].astype(bool)
 
 
 def _argmax(logits: jax.Array) -> jax.Array:

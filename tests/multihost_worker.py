@@ -4,7 +4,7 @@ model on a global 8-device mesh under jax.distributed; process 0 saves the gathe
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

@@ -11,6 +11,8 @@ import time
 
 import httpx
 
+from tests.conftest import TEST_XLA_FLAGS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -23,18 +25,20 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(args: list[str], timeout: float = 600):
+def running_server(args: list[str], timeout: float = 600, optimized: bool = False):
     """A server on a free loopback port with `args` (plus --api-key KEY and the tests' compilation cache),
-    up and healthy; yields {"url", "proc", "log"} and kills it on the way out if it still runs."""
-    with running_servers([args], timeout) as servers:
+    up and healthy; yields {"url", "proc", "log"} and kills it on the way out if it still runs. optimized:
+    XLA's default optimisation (for a server that runs many requests) instead of TEST_XLA_FLAGS."""
+    with running_servers([args], timeout, optimized=optimized) as servers:
         yield servers[0]
 
 
-def launch(module: str, args: list[str], port: int | None = None) -> dict:
+def launch(module: str, args: list[str], port: int | None = None, optimized: bool = False) -> dict:
     """`python -m module --port P ... args` on loopback (a free port unless given), started (not waited for):
-    {"url", "proc", "log"}. A server module gets --api-key KEY and the tests' compilation cache."""
+    {"url", "proc", "log"}. A server module gets --api-key KEY and the tests' compilation cache; its programs
+    compile with TEST_XLA_FLAGS unless optimized."""
     port = port or _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the server sets up its own devices
+    env = {**os.environ, "XLA_FLAGS": "" if optimized else TEST_XLA_FLAGS}  # the server sets up its own devices
     env["JAX_PLATFORMS"] = "cpu"
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     cache = os.path.join(tempfile.gettempdir(), "ernie_jax_test_xla_cache")
@@ -59,10 +63,11 @@ def wait_healthy(server: dict, deadline: float) -> None:
 
 
 @contextlib.contextmanager
-def running_servers(arg_lists: list[list[str]], timeout: float = 600, module: str = "ernie_jax.serve"):
+def running_servers(arg_lists: list[list[str]], timeout: float = 600, module: str = "ernie_jax.serve",
+                    optimized: bool = False):
     """Several servers started together (they compile side by side), each up and healthy; yields their
     dicts (see launch) and kills those still running on the way out."""
-    servers = [launch(module, args) for args in arg_lists]
+    servers = [launch(module, args, optimized=optimized) for args in arg_lists]
     try:
         deadline = time.time() + timeout
         for s in servers:

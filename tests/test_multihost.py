@@ -12,6 +12,7 @@ import pytest
 from ernie_jax import ErnieForCausalLM
 from ernie_jax.config import ErnieConfig
 from ernie_jax.model.weights import init_weights
+from tests.conftest import TEST_XLA_FLAGS
 from tests.test_sharding import BASE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,7 +27,7 @@ def free_port() -> int:
 @pytest.mark.parametrize("mesh", ["data=2,expert=2,tensor=2", "data=1,expert=4,tensor=2"])
 def test_two_processes_match_single_process(tmp_path, mesh):
     port, out = free_port(), str(tmp_path / "logits.npy")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "multihost_worker.py"), str(i), str(port),
                                out, mesh], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

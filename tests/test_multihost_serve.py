@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from tests.conftest import GOLDEN
+from tests.conftest import GOLDEN, TEST_XLA_FLAGS
 
 from tests.serving import AUTH, ROOT, launch, server_state, wait_healthy
 
@@ -135,7 +135,7 @@ def test_two_processes_serve_as_one_and_a_killed_follower_ends_the_job(small_mod
 
 
 def _run(args: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS}
     env["JAX_PLATFORMS"] = "cpu"
     return subprocess.run([sys.executable, "-m", "ernie_jax.serve", "--port", str(_free_port()), *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=timeout)

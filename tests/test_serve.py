@@ -26,11 +26,12 @@ MAX_REQUEST_BYTES = 2**20
 
 @pytest.fixture(scope="module")
 def server():
-    # static PD: each submesh compiles only its own role's programs (the dynamic policy is test_pd's)
+    # static PD: each submesh compiles only its own role's programs (the dynamic policy is test_pd's). XLA's
+    # default optimisation: this server runs hundreds of requests (unoptimised programs took 3x the time here)
     with running_server(["--mesh", "8", "--pd-policy", "static", "--max-model-len", str(MAX_MODEL_LEN),
                          "--max-num-seqs", "8",
                          "--max-num-batched-tokens", "64", "--max-queue-len", "64", "--batch-invariant",
-                         "--max-request-bytes", str(MAX_REQUEST_BYTES)]) as s:
+                         "--max-request-bytes", str(MAX_REQUEST_BYTES)], optimized=True) as s:
         yield s
 
 
@@ -320,6 +321,165 @@ def test_full_queue_answers_429_and_keeps_serving(server, client):
     assert metric(metrics(server["url"]), "ernie_jax:requests_total", outcome="rejected_busy") == codes.count(429)
 
 
+# ---- structured output and tool calls ------------------------------------------------------------------------
+STRUCTURED_SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+     "required": ["colour"], "additionalProperties": False},
+    {"type": "object", "properties": {"scores": {"type": "array", "items": {"type": "integer", "minimum": -5,
+                                                                            "maximum": 5}, "minItems": 1, "maxItems": 4}},
+     "required": ["scores"], "additionalProperties": False},
+    {"type": "object", "properties": {"point": {"type": "object", "properties": {
+        "x": {"type": "number", "minimum": 0, "maximum": 1}, "label": {"type": "string", "maxLength": 6}},
+        "required": ["x"], "additionalProperties": False}, "note": {"type": ["string", "null"], "maxLength": 8}},
+     "required": ["point", "note"], "additionalProperties": False},
+    {"type": "object", "properties": {"items": {"type": "array", "maxItems": 2, "items": {
+        "type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 99},
+                                         "tag": {"enum": ["a", "b"]}}, "required": ["id", "tag"],
+        "additionalProperties": False}}}, "required": ["items"], "additionalProperties": False},
+]
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                                    "unit": {"enum": ["c", "f"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["utc", "local"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+def _chat_text(client, stream: bool, **kw) -> tuple[str, list]:
+    """The reply's content and tool calls, streamed or not; streamed tool-call deltas are joined the way the
+    openai client's own stream helpers join them (by index: id, name, then argument fragments)."""
+    if not stream:
+        m = client.chat.completions.create(model=EMBEDDED_MODEL_NAME, **kw).choices[0].message
+        return m.content or "", [(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or []]
+    text, calls = "", {}
+    for chunk in client.chat.completions.create(model=EMBEDDED_MODEL_NAME, stream=True, **kw):
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            for d in choice.delta.tool_calls or []:
+                c = calls.setdefault(d.index, ["", "", ""])
+                c[0] += d.id or ""
+                c[1] += (d.function.name or "") if d.function else ""
+                c[2] += (d.function.arguments or "") if d.function else ""
+    return text, [tuple(calls[i]) for i in sorted(calls)]
+
+
+def test_json_schema_replies_validate_streamed_and_not(client):
+    """20 json_schema requests (nested objects, arrays, enums, bounded numbers, optional and nullable fields),
+    greedy and sampled, half streamed, 8 at a time: every reply parses and validates."""
+    import jsonschema
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> None:
+        schema = STRUCTURED_SCHEMAS[i % len(STRUCTURED_SCHEMAS)]
+        text, _ = _chat_text(client, stream=i % 4 >= 2, messages=[{"role": "user", "content": f"Item {i} as JSON."}],
+                             max_tokens=160, temperature=0.0 if i % 2 else 0.9, seed=i,
+                             response_format={"type": "json_schema", "json_schema": {"name": "item", "schema": schema}})
+        jsonschema.validate(json.loads(text), schema)
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(one, range(20)))
+    obj = client.chat.completions.create(model=EMBEDDED_MODEL_NAME, messages=[{"role": "user", "content": "JSON?"}],
+                                         max_tokens=100, response_format={"type": "json_object"}).choices[0]
+    # a free-form object may run to max_tokens inside a string (a small model rambles); it parses when it ends
+    assert isinstance(json.loads(obj.message.content), dict) if obj.finish_reason == "stop" else \
+        obj.message.content.startswith("{")
+
+
+def test_guided_choice_regex_and_grammar_through_extra_body(client):
+    choices = ["sunny", "rainy", "snowy with wind"]
+    for seed in range(3):
+        r = client.chat.completions.create(model=EMBEDDED_MODEL_NAME, messages=[{"role": "user", "content": "Weather?"}],
+                                           max_tokens=10, temperature=1.0, seed=seed, extra_body={"guided_choice": choices})
+        assert r.choices[0].message.content in choices
+    r = client.completions.create(model=EMBEDDED_MODEL_NAME, prompt="Call me at", max_tokens=20,
+                                  extra_body={"guided_regex": r"\+\d{2} \d{3}-\d{4}"})
+    assert re.fullmatch(r"\+\d{2} \d{3}-\d{4}", r.choices[0].text)
+    r = client.completions.create(model=EMBEDDED_MODEL_NAME, prompt="Say it:", max_tokens=20,
+                                  extra_body={"structured_outputs": {"grammar": 'root ::= "A" [0-9] [0-9]? "!"'}})
+    assert re.fullmatch(r"A\d\d?!", r.choices[0].text)
+
+
+def test_tool_calls_named_required_auto_and_none(client):
+    """A named tool call returns arguments that validate against the tool's schema, and its streamed deltas
+    assemble to the same call; "required" calls one of the tools; "none" never returns a call."""
+    import jsonschema
+    kw = dict(messages=[{"role": "user", "content": "What is the weather in Oslo?"}], tools=[WEATHER_TOOL, TIME_TOOL],
+              max_tokens=80, temperature=0)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model=EMBEDDED_MODEL_NAME, tool_choice=named, **kw)
+    assert r.choices[0].finish_reason == "tool_calls"
+    (call,) = r.choices[0].message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+    _, streamed = _chat_text(client, stream=True, tool_choice=named, **kw)
+    assert [(name, args) for _, name, args in streamed] == [("get_weather", call.function.arguments)]
+    assert streamed[0][0].startswith("call_")
+    _, calls = _chat_text(client, stream=False, tool_choice="required", parallel_tool_calls=False, **kw)
+    assert len(calls) == 1 and calls[0][1] in ("get_weather", "get_time")
+    tool = {"get_weather": WEATHER_TOOL, "get_time": TIME_TOOL}[calls[0][1]]
+    jsonschema.validate(json.loads(calls[0][2]), tool["function"]["parameters"])
+    for stream in (False, True):
+        text, calls = _chat_text(client, stream=stream, tool_choice="none", **kw)
+        assert calls == [] and text
+    text, _ = _chat_text(client, stream=False, tool_choice="auto", **kw)  # the model decides; parsed if it calls
+    # a conversation that carries the call and its result back
+    follow = kw["messages"] + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "-3 C, snow"}]
+    r = client.chat.completions.create(model=EMBEDDED_MODEL_NAME, messages=follow, tools=[WEATHER_TOOL], max_tokens=8)
+    assert r.choices[0].message.content is not None or r.choices[0].message.tool_calls
+
+
+STRUCTURED_BAD = [  # (body fields, the param the 400 names, words of its message)
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strng"}}}},
+     "response_format", "strng"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}}}}}, "response_format",
+     "example.com"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "json_schema.schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format", "'yaml' is not supported"),
+    ({"guided_regex": "([a-z]"}, "guided_regex", "does not compile"),
+    ({"guided_grammar": "start: missing_rule"}, "guided_grammar", "missing_rule"),
+    ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice", "at most one"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs", "structural_tag is not supported"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "get_wether"}}},
+     "tool_choice", "'get_wether' is not among the request's tools"),
+    ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools", "function.name"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": "required", "guided_regex": "a"}, "tool_choice", "cannot be combined"),
+]
+
+
+@pytest.mark.parametrize("fields,param,words", STRUCTURED_BAD, ids=[b[1] + str(i) for i, b in enumerate(STRUCTURED_BAD)])
+def test_bad_constraints_get_a_400_naming_the_field(server, client, fields, param, words):
+    body = {"model": EMBEDDED_MODEL_NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, **fields}
+    r = httpx.post(server["url"] + "/v1/chat/completions", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"], err
+    ok = client.chat.completions.create(model=EMBEDDED_MODEL_NAME, messages=[{"role": "user", "content": "x"}],
+                                        max_tokens=2)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_tokenize_and_detokenize(server, tokenizer):
+    text = "Hello, world. 你好"
+    r = httpx.post(server["url"] + "/tokenize", json={"prompt": text, "return_token_strs": True}, timeout=30).json()
+    assert r["tokens"] == tokenizer.encode(text, allow_special=True) and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == MAX_MODEL_LEN and len(r["token_strs"]) == r["count"]
+    back = httpx.post(server["url"] + "/detokenize", json={"tokens": r["tokens"]}, timeout=30).json()
+    assert back["prompt"] == text
+    chat = httpx.post(server["url"] + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=30).json()
+    assert chat["tokens"] == tokenizer.encode_chat([{"role": "user", "content": "hi"}])
+    bad = httpx.post(server["url"] + "/detokenize", json={"tokens": [10**9]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
 def test_metrics(server):
     m = metrics(server["url"])
     for name in ("ernie_jax:time_to_first_token_seconds_count", "ernie_jax:time_per_output_token_seconds_count",
@@ -336,6 +496,10 @@ def test_metrics(server):
     assert metric(m, "ernie_jax:submesh_busy_seconds_total", submesh="prefill") > 0
     assert metric(m, "ernie_jax:submesh_busy_seconds_total", submesh="decode") > 0
     assert metric(m, "ernie_jax:kv_transfer_bytes_total") > 0
+    assert metric(m, "ernie_jax:structured_output_requests_total", kind="json") >= 20
+    assert metric(m, "ernie_jax:structured_output_requests_total", kind="tools") >= 3
+    assert metric(m, "ernie_jax:structured_output_compile_seconds_count") >= len(STRUCTURED_SCHEMAS)
+    assert metric(m, "ernie_jax:structured_output_mask_seconds_total") > 0
 
 
 HOSTILE = [  # (route, body or raw JSON text, the field the 400 names, words its message contains)

@@ -35,7 +35,8 @@ def test_hundreds_of_clients_with_disconnects_and_malformed_requests():
     prompts = [[int(t) for t in rng.integers(10, 3000, int(rng.integers(3, 60)))] for _ in range(24)]
     kinds = rng.choice(["stream", "disconnect", "give_up", "malformed"], CLIENTS, p=[0.55, 0.15, 0.1, 0.2])
     with running_server(["--mesh", "8", "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "32",
-                         "--max-num-batched-tokens", "256", "--max-queue-len", "1024", "--batch-invariant"]) as server:
+                         "--max-num-batched-tokens", "256", "--max-queue-len", "1024", "--batch-invariant"],
+                        optimized=True) as server:
         url = server["url"]
 
         def body(i, **kw):

@@ -40,6 +40,8 @@ from ernie_jax.engine.speculative import SpecDecodeStats
 from ernie_jax.engine.step import Handoff, Prefilled
 from ernie_jax.model.ernie import ErnieForCausalLM
 from ernie_jax.sampling import SamplingParams, sampler_seed
+from ernie_jax.structured.guide import Guides
+from ernie_jax.structured.spec import StructuredOutputError
 from ernie_jax.tokenizer import IncrementalDetokenizer
 
 __all__ = ["Engine", "Request", "RequestError", "CompileReport"]
@@ -76,6 +78,7 @@ class Engine:
         self.max_num_seqs, self.max_model_len, self.page_size = sched.max_num_seqs, sched.max_model_len, cache.block_size
         self.max_pages = table_pages(self.max_model_len, self.page_size)
         self.tokenizer = tokenizer
+        self.guides = Guides(tokenizer, self.cfg.vocab_size) if tokenizer is not None else None
         self.lock = threading.RLock()  # the waiting queue, the requests, the schedulers' state
         self.waiting: list[Request] = []
         self.outputs = OutputProcessor(max_model_len=self.max_model_len, eos_token_ids=eos_token_ids,
@@ -204,6 +207,11 @@ class Engine:
         raises RequestError naming the field. Nothing a request holds can fail a step once this passed."""
         validate(prompt_ids, params, vocab_size=self.cfg.vocab_size, max_model_len=self.max_model_len,
                  kv_managers={i.name: i.scheduler.kv for i in self.instances}, has_tokenizer=self.tokenizer is not None)
+        if params.structured_outputs is not None:  # compiled here, on the caller's thread (cached by constraint)
+            try:
+                self.guides.compile(params.structured_outputs)
+            except StructuredOutputError as e:
+                raise RequestError(str(e), param=e.field) from None
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, *,
                     export_kv: bool = False, prefilled: Prefilled | None = None) -> str:
@@ -222,6 +230,8 @@ class Engine:
             req = Request(request_id, prompt_ids, params, seed, RequestMetrics(time.perf_counter()), export_kv=export_kv)
             if self.tokenizer is not None:
                 req.text, req.detokenizer = "", IncrementalDetokenizer(self.tokenizer)
+            if params.structured_outputs is not None:
+                req.guide = self.guides.new(params.structured_outputs)
             self.requests[request_id] = req
             if prefilled is None or not self._add_prefilled(req, prefilled):
                 self.waiting.append(req)

@@ -66,6 +66,8 @@ class OutputProcessor:
         if req.detokenizer is not None:
             req.text += req.detokenizer.add(token)
         n_out = len(req.output_ids)
+        if req.guide is not None and not self._guided(req, token):
+            return True
         if token in self.stop_ids(req) and n_out >= req.params.min_tokens:
             self.finish(req, "stop", token)
             return True
@@ -80,6 +82,22 @@ class OutputProcessor:
             self.finish(req, "length", None)
             return True
         return False
+
+    def _guided(self, req: Request, token: int) -> bool:
+        """Advance req's matcher by its token; False when that finished req: the token is an end of turn the
+        grammar allowed (a stop), or the grammar is complete and takes nothing more (a stop too, as vLLM
+        ends such requests). A token the grammar refuses cannot have been sampled under its mask; it is an
+        error, never a silently wrong answer."""
+        if token in self.stop_ids(req) and req.guide.accept(token):
+            self.finish(req, "stop", token)
+            return False
+        if not req.guide.accept(token):
+            raise RuntimeError(f"{req.request_id}: token {token} is not allowed by its {req.guide.kind} constraint "
+                               f"({req.guide.error})")
+        if req.guide.finished:
+            self.finish(req, "stop", None)
+            return False
+        return True
 
     def finish(self, req: Request, reason: str, stop_reason=None) -> None:
         """Mark req finished ("stop", "length" or "abort"); its text is complete."""

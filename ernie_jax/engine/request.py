@@ -58,6 +58,8 @@ def validate(prompt_ids: list[int], params: SamplingParams, *, vocab_size: int, 
             raise RequestError(f"{field} names token ids outside [0, {V}): {bad[:5]}", param=field)
     if params.stop and not has_tokenizer:
         raise RequestError("stop strings need a tokenizer; use stop_token_ids", param="stop")
+    if params.structured_outputs is not None and not has_tokenizer:
+        raise RequestError("structured output needs the model's tokenizer", param=params.structured_outputs.field)
 
 
 class RequestStatus(enum.Enum):
@@ -117,6 +119,7 @@ class Request:
     detokenizer: Any = None  # IncrementalDetokenizer when the engine has a tokenizer
     drafts: list[int] | None = None  # speculative decoding: the MTP block's drafts for its next step
     export_kv: bool = False  # decoded by another server: once prefilled, its prompt's KV leaves (kv_connector)
+    guide: Any = None  # structured output: its matcher (structured/guide.Guide), advanced with each token
 
     @property
     def finished(self) -> bool:
@@ -135,9 +138,17 @@ class Request:
     def speculates(self) -> bool:
         """Whether its next decode step may accept drafts: its sampler needs nothing but temperature, top-p
         and top-k (penalties, logit_bias and min_tokens need every previous token on the host; logprobs and
-        min-p are computed by the host-side sampler)."""
+        min-p are computed by the host-side sampler; a guided row's mask needs its matcher to have seen every
+        token before, and the drafts are not checked against it)."""
         p = self.params
-        return not (p.uses_penalties or p.logprobs is not None or p.min_p or len(self.output_ids) < p.min_tokens)
+        return not (p.uses_penalties or p.logprobs is not None or p.min_p or len(self.output_ids) < p.min_tokens
+                    or self.guide is not None)
+
+    @property
+    def sampling_needs_history(self) -> bool:
+        """Whether each step's sampling inputs depend on the tokens before it (penalties count them, a guide
+        has to consume them): such a row's decode steps do not chain on the device."""
+        return self.params.uses_penalties or self.guide is not None
 
     def done_by_length(self, n_out: int, max_model_len: int) -> bool:
         """Whether n_out output tokens end it by length (max_tokens or max_model_len)."""

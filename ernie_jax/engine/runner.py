@@ -24,7 +24,7 @@ import numpy as np
 
 from ernie_jax.engine.page_transfer import PageTransfer
 from ernie_jax.engine.programs import ModelPrograms
-from ernie_jax.engine.sampling_inputs import plain_sampling, sampling_arrays
+from ernie_jax.engine.sampling_inputs import guided_mask, plain_sampling, sampling_arrays
 from ernie_jax.engine.step import Handoff, RowOutput, StepPlan, StepResult
 
 
@@ -52,6 +52,7 @@ class ModelRunner:
         self.exporter = self.importer = None  # KV to and from other servers (kv_connector.py), when set
         self.busy_seconds = {"prefill": 0.0, "decode": 0.0}  # per program: dispatch to result
         self.steps = {"prefill": 0, "decode": 0}  # steps completed
+        self.mask_seconds, self.masked_steps = 0.0, 0  # structured output: host time spent on token masks
         self.expert_tokens = np.zeros(programs.expert_shape, np.int64)
         self._ahead: Dispatched | None = None  # a chained decode step, read with the next step
         self.in_step: list = []  # the requests handed to programs or read since the step began (a failure's)
@@ -138,6 +139,7 @@ class ModelRunner:
         done = [ch.req if ch.completes else None for ch in chunks]  # rows whose prompt is complete get a token
         if not any(done):  # chunks mid-prompt: only their expert counts
             return Dispatched("prefill", [], t0, c)
+        self._mask(arrays, done, B)
         result = sampled if sampled is not None and plain_sampling(arrays, nlp) else \
             self.programs.sample(logits, arrays, nlp)
         return Dispatched("prefill", done, t0, c, result, drafts if sampled is not None else None)
@@ -158,6 +160,7 @@ class ModelRunner:
         arrays["steps"][:len(reqs)] += lag
         t0 = time.perf_counter()
         logits, c, sampled = self.programs.run("decode", ids, positions, last, tables, arrays)
+        self._mask(arrays, reqs, B)
         result = sampled if plain_sampling(arrays, nlp) else self.programs.sample(logits, arrays, nlp)
         return Dispatched("decode", reqs, t0, c, result, batch=B)
 
@@ -185,9 +188,16 @@ class ModelRunner:
         t0 = time.perf_counter()
         logits, c, verified, drafts = self.programs.run("decode", ids, positions, last, tables, arrays, max_accept)
         # rows that take one plain token (not speculating) draw it, with its logprobs, from the host's sampler
+        self._mask(arrays, reqs, B)
         fallback = None if all(speculating) else self.programs.sample(logits, arrays, nlp)
         return Dispatched("verify", reqs, t0, c, drafts=drafts, verified=verified, fallback=fallback,
                           speculating=speculating, inputs=(positions, arrays["steps"]), batch=B)
+
+    def _mask(self, arrays: dict, reqs: list, B: int) -> None:
+        """The guided rows' token masks, computed while the step's program runs (sampling_inputs.guided_mask)."""
+        seconds = guided_mask(arrays, reqs, B, self.vocab_size)
+        if arrays["allowed"] is not None:
+            self.mask_seconds, self.masked_steps = self.mask_seconds + seconds, self.masked_steps + 1
 
     # ---- results --------------------------------------------------------------------------------------------
     def read_in_flight(self) -> StepResult:

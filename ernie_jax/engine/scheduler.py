@@ -192,7 +192,7 @@ class Scheduler:
         decode = list(self.running)
         B = self.shapes.bucket("decode", len(decode)) if decode else 0
         chain = self.overlap and bool(decode) and (all(r.speculates for r in decode) if self.kv.lookahead else
-                                                   not any(r.params.uses_penalties for r in decode))
+                                                   not any(r.sampling_needs_history for r in decode))
         return StepPlan(list(arrived), hand_over, preempted, admitted, prefill, shape, decode, B,
                         in_flight is not None, chain, role_switch)
 

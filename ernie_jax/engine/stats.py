@@ -38,6 +38,9 @@ class EngineStats:
     spec_decode: dict[str, Any] | None  # speculative decoding counters (SpecDecodeStats.report)
     eplb: dict[str, Any] | None  # {"balancedness": per MoE layer, "rebalances": n}
     views: dict[str, InstanceView]  # what the PD policy sees of each instance (a router's policy too)
+    # structured output: grammars compiled per COMPILE_BUCKETS bucket, their seconds, token-mask seconds and the
+    # steps that computed masks (None without a tokenizer)
+    structured: dict[str, Any] | None = None
 
 
 COUNTERS = ("num_preemptions", "prefix_queries", "prefix_hits", "prefill_tokens")
@@ -59,4 +62,9 @@ def snapshot(engine) -> EngineStats:
                        (transfer.seconds, transfer.bytes) if transfer is not None else None,
                        engine.spec_stats.report() if engine.speculative else None,
                        {"balancedness": list(balancer.current_balancedness()), "rebalances": balancer.rebalances}
-                       if balancer is not None else None, {i.name: i.view() for i in insts})
+                       if balancer is not None else None, {i.name: i.view() for i in insts},
+                       None if engine.guides is None else {
+                           "compile_counts": list(engine.guides.compile_counts),
+                           "compile_seconds": engine.guides.compile_seconds,
+                           "mask_seconds": sum(i.runner.mask_seconds for i in insts),
+                           "masked_steps": sum(i.runner.masked_steps for i in insts)})

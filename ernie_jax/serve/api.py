@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP routes over one AsyncEngine.
 
 `create_app(server)` builds the FastAPI app: /v1/models, /v1/completions, /v1/chat/completions (streaming
-as SSE with `data: [DONE]`), /health and /metrics. A request body is validated in full before anything is
+as SSE with `data: [DONE]`; structured output, tool calls and, with a reasoning parser, reasoning_content),
+/tokenize and /detokenize (vLLM's), /health and /metrics. A request body is validated in full before anything is
 queued; a prompt list or `n` > 1 becomes several engine requests whose outputs are merged into one answer.
 Errors are OpenAI-shaped JSON with their HTTP status, never a stack trace (an unexpected error is logged and
 answered with a plain 500). A body over `max_request_bytes` gets a 413 before it is parsed. A client that
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -33,7 +35,9 @@ from ernie_jax.engine.outputs import RequestOutput
 from ernie_jax.sampling import SamplingParams
 from ernie_jax.serve.metrics import ServerMetrics
 from ernie_jax.serve.pd import PDServer, add_pd_routes
-from ernie_jax.serve.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, error_body
+from ernie_jax.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ProtocolError,
+                                     TokenizeRequest, error_body)
+from ernie_jax.structured import reasoning, tools as tool_calls
 from ernie_jax.tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger("ernie_jax.serve")
@@ -52,6 +56,7 @@ class Server:
     api_key: str | None = None  # when set, /v1 routes need "Authorization: Bearer <key>"
     max_request_bytes: int = 8 * 2**20  # larger request bodies get 413
     pd: PDServer = dataclasses.field(default_factory=PDServer)  # prefill/decode across servers (serve/pd.py)
+    reasoning_parser: str | None = None  # "ernie45": <think>...</think> becomes reasoning_content
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
 
@@ -149,15 +154,41 @@ def create_app(server: Server) -> FastAPI:
     async def chat(body: ChatCompletionRequest, request: Request):
         _check_model(server, body.model)
         params = body.to_params(server.defaults)
-        try:
-            conversation = body.conversation()
-            text = server.tokenizer.apply_chat_template(conversation, body.add_generation_prompt)
-        except ChatTemplateError as e:
-            raise ProtocolError(str(e), param="messages") from None
+        text = _chat_text(server, body)
         prompts = [_Prompt(text, _encode(server, text, "messages", allow_special=True))]
         return await _respond(server, request, body, prompts, params, _ChatFormat(server, body))
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+        _check_model(server, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ProtocolError("give either prompt or messages", param="prompt")
+        if body.messages is not None:
+            chat = ChatCompletionRequest(messages=body.messages, tools=body.tools,
+                                         add_generation_prompt=body.add_generation_prompt)
+            ids = _encode(server, _chat_text(server, chat), "messages", allow_special=True)
+        else:
+            ids = _encode(server, body.prompt, "prompt", allow_special=body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": server.engine.info().max_model_len, "tokens": ids,
+                "token_strs": [server.tokenizer.token_text(t) for t in ids] if body.return_token_strs else None}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        _check_model(server, body.model)
+        vocab = server.engine.info().vocab_size
+        if bad := [t for t in body.tokens if not 0 <= t < vocab]:
+            raise ProtocolError(f"token ids outside [0, {vocab}): {bad[:5]}", param="tokens")
+        return {"prompt": server.tokenizer.decode(body.tokens)}
+
     return app
+
+
+def _chat_text(server: Server, body: ChatCompletionRequest) -> str:
+    try:
+        return server.tokenizer.apply_chat_template(body.conversation(), body.add_generation_prompt)
+    except ChatTemplateError as e:
+        raise ProtocolError(str(e), param="messages") from None
 
 
 class _BodyLimit:
@@ -209,9 +240,17 @@ async def _respond(server: Server, request: Request, body, prompts: list[_Prompt
     if params.n > server.max_n:
         raise ProtocolError(f"n={params.n} is more than this server allows ({server.max_n})", param="n")
     try:
-        check_requests(server.engine.validate, [p.ids for p in prompts], [params] * len(prompts))
+        validate = functools.partial(check_requests, server.engine.validate, [p.ids for p in prompts],
+                                     [params] * len(prompts))
+        if params.structured_outputs is not None:  # compiling a grammar may take a while: not on the event loop
+            await asyncio.to_thread(validate)
+        else:
+            validate()
     except RequestError as e:
         raise ProtocolError(str(e), param=e.param) from None
+    if params.structured_outputs is not None:
+        so = params.structured_outputs
+        server.metrics.structured.labels(server.model_name, "tools" if so.field == "tools" else so.kind).inc()
     count = len(prompts) * params.n
     waiting = server.engine.stats().num_waiting
     if waiting + count > server.max_queue_len:
@@ -459,7 +498,27 @@ class _CompletionFormat(_Format):
 
 
 class _ChatFormat(_Format):
+    """Chat answers; with tools (tool_choice other than "none") the text's `<tool_call>` blocks become
+    tool_calls, with a reasoning parser the text before `</think>` becomes reasoning_content."""
     prefix, chunk_object = "chatcmpl", "chat.completion.chunk"
+
+    def __init__(self, server: Server, body: ChatCompletionRequest):
+        super().__init__(server, body)
+        self.tools = body.tool_mode() is not None
+        self.reasoning = server.reasoning_parser is not None
+        self._splitters: dict[int, reasoning.StreamSplitter] = {}
+        self._parsers: dict[int, tool_calls.StreamParser] = {}
+
+    def _message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.reasoning:
+            message["reasoning_content"], message["content"] = reasoning.split(text)
+        if self.tools:
+            message["content"], calls = tool_calls.parse(message["content"] or "")
+            if calls:
+                message["tool_calls"] = calls
+                finish = "tool_calls" if finish == "stop" else finish
+        return message, finish
 
     def _logprobs(self, lps: list[dict]) -> dict:
         def entry(token, lp):
@@ -472,9 +531,10 @@ class _ChatFormat(_Format):
         choices = []
         for i, out in enumerate(outs):
             c = out.outputs[0]
-            choices.append({"index": i, "message": {"role": "assistant", "content": c.text or ""},
+            message, finish = self._message(c.text or "", c.finish_reason)
+            choices.append({"index": i, "message": message,
                             "logprobs": self._logprobs(c.logprobs) if params.logprobs is not None else None,
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                            "finish_reason": finish, "stop_reason": c.stop_reason})
         prompt_tokens = len(outs[0].prompt_token_ids)
         return self.envelope("chat.completion", choices,
                              _usage(prompt_tokens, sum(len(o.outputs[0].token_ids) for o in outs),
@@ -486,11 +546,33 @@ class _ChatFormat(_Format):
         if first:
             out_chunks.append({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                "finish_reason": None})
-        if text or lps:
-            out_chunks.append({"index": index, "delta": {"content": text}, "logprobs": logprobs,
+        delta = self._delta(index, text, out.finished)
+        if delta or lps:
+            out_chunks.append({"index": index, "delta": delta or {"content": ""}, "logprobs": logprobs,
                                "finish_reason": None})
         if out.finished:
             c = out.outputs[0]
-            out_chunks.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason,
+            called = index in self._parsers and self._parsers[index].calls > 0
+            out_chunks.append({"index": index, "delta": {}, "logprobs": None,
+                               "finish_reason": "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason,
                                "stop_reason": c.stop_reason})
         return out_chunks
+
+    def _delta(self, index: int, text: str, final: bool) -> dict:
+        """A text delta as a chat delta: content, or reasoning_content and tool_calls where they apply."""
+        if not (self.reasoning or self.tools):
+            return {"content": text} if text else {}
+        think = ""
+        if self.reasoning:
+            think, text = self._splitters.setdefault(index, reasoning.StreamSplitter()).feed(text, final)
+        calls = []
+        if self.tools:
+            text, calls = self._parsers.setdefault(index, tool_calls.StreamParser()).feed(text, final)
+        delta: dict[str, Any] = {}
+        if think:
+            delta["reasoning_content"] = think
+        if text:
+            delta["content"] = text
+        if calls:
+            delta["tool_calls"] = calls
+        return delta

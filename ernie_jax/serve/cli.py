@@ -16,6 +16,8 @@ import signal
 import sys
 import time
 
+from ernie_jax.structured.reasoning import PARSERS as REASONING_PARSERS
+
 log = logging.getLogger("ernie_jax.serve")
 
 
@@ -27,6 +29,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                     "default: the embedded ernie-4.5-tiny-fp8")
     a("--served-model-name", default=None, help="the model id clients send (default: the folder name)")
     a("--host", default="127.0.0.1")
+    a("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+      help="split a thinking model's <think>...</think> into reasoning_content (vLLM's flag and name; "
+           "FastDeploy's is ernie-x1). Tool calls in ERNIE-4.5's <tool_call> format are parsed whenever a "
+           "request has tools (vLLM's --tool-call-parser ernie45)")
     a("--port", type=int, default=8180)
     a("--mesh", default=None, help="device count or axis sizes ('data=1,expert=4,tensor=2'); default: one device")
     a("--prefill-devices", type=int, default=None, help="devices of the prefill submesh (default: half)")
@@ -206,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     fatal.async_engine = async_engine
     server = Server(async_engine, llm.tokenizer, name, llm.sampling_defaults, metrics,
                     max_queue_len=args.max_queue_len, max_n=args.max_n, api_key=args.api_key,
-                    max_request_bytes=args.max_request_bytes, pd=pd)
+                    max_request_bytes=args.max_request_bytes, pd=pd, reasoning_parser=args.reasoning_parser)
     app = create_app(server)
 
     class _Uvicorn(uvicorn.Server):

@@ -11,12 +11,13 @@ between scrapes. Each server has its own registry (several can live in one proce
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
 
 from typing import Callable
 
 from ernie_jax.engine.request import Request
 from ernie_jax.engine.stats import EngineStats
+from ernie_jax.structured.guide import COMPILE_BUCKETS
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _TPOT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -42,6 +43,9 @@ class ServerMetrics:
                                      ["model_name"], registry=r).labels(**labels)
         self.generation_tokens = Counter("ernie_jax:generation_tokens", "Generated tokens of finished requests",
                                          ["model_name"], registry=r).labels(**labels)
+        self.structured = Counter("ernie_jax:structured_output_requests", "Requests with a structured-output "
+                                  "constraint, by kind (json, json_object, regex, choice, grammar, tools)",
+                                  ["model_name", "kind"], registry=r)
         self.model_name = model_name
         r.register(_EngineCollector(stats, model_name))
 
@@ -133,6 +137,24 @@ class _EngineCollector:
             c = CounterMetricFamily("ernie_jax:eplb_rebalances", "Expert re-placements applied",
                                     labels=["model_name"])
             c.add_metric([name], float(stats.eplb["rebalances"]))
+            yield c
+        if stats.structured is not None:
+            s = stats.structured
+            h = HistogramMetricFamily("ernie_jax:structured_output_compile_seconds", "Seconds compiling a "
+                                      "structured-output constraint (once per constraint: compiled ones are cached)",
+                                      labels=["model_name"])
+            cumulative = [sum(s["compile_counts"][:k + 1]) for k in range(len(COMPILE_BUCKETS) + 1)]
+            h.add_metric([name], [(str(b), float(n)) for b, n in zip(COMPILE_BUCKETS, cumulative)] +
+                         [("+Inf", float(cumulative[-1]))], s["compile_seconds"])
+            yield h
+            c = CounterMetricFamily("ernie_jax:structured_output_mask_seconds", "Host seconds computing the token "
+                                    "masks of constrained requests (overlapped with the device's forward pass)",
+                                    labels=["model_name"])
+            c.add_metric([name], s["mask_seconds"])
+            yield c
+            c = CounterMetricFamily("ernie_jax:structured_output_masked_steps", "Program steps that sampled with "
+                                    "token masks", labels=["model_name"])
+            c.add_metric([name], float(s["masked_steps"]))
             yield c
         if stats.spec_decode is not None:  # vLLM's spec-decode counters
             spec = stats.spec_decode

@@ -1,9 +1,14 @@
 """The OpenAI request bodies the server accepts, and their translation to engine SamplingParams.
 
 Unknown fields are ignored (clients send many extensions); known fields with a wrong type are rejected
-(a string where a number belongs is an error, not a coercion). Fields the server cannot honour (tools,
-structured output, best_of > n) are rejected by name instead of being silently ignored. Sampling defaults
-come from the model's generation_config.json (ERNIE: temperature 0.8, top_p 0.8), as in vLLM.
+(a string where a number belongs is an error, not a coercion). Fields the server cannot honour (best_of >
+n, a response_format type other than text / json_object / json_schema) are rejected by name instead of
+being silently ignored. Sampling defaults come from the model's generation_config.json (ERNIE: temperature
+0.8, top_p 0.8), as in vLLM.
+
+Structured output comes as OpenAI's `response_format`, vLLM's `guided_json` / `guided_regex` /
+`guided_choice` / `guided_grammar`, or vLLM's newer `structured_outputs` object; at most one per request,
+and none beside a `tool_choice` that forces a call (that choice is itself a grammar: structured/tools.py).
 
 Everything a request carries is checked here or by SamplingParams / Engine.validate before it is queued,
 each failure a 400 naming the field: numbers finite and in range (SamplingParams states the ranges),
@@ -13,11 +18,14 @@ per role, and list sizes bounded (the MAX_* limits below; the body's size is bou
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from ernie_jax.sampling import MAX_LOGPROBS, SamplingParams, SamplingParamsError
+from ernie_jax.structured import tools as tool_calls
+from ernie_jax.structured.spec import KINDS, StructuredOutputError, StructuredOutputsParams
 from ernie_jax.tokenizer import check_text
 
 # JSON integers are taken (as floats), strings and booleans refused with one "valid number" error (a union of
@@ -84,9 +92,56 @@ class _Sampling(_Body):
     # vLLM's field for prefill/decode across servers: {"do_remote_decode": true} asks a prefill server to keep
     # the prompt's KV; a decode server gets what that server answered, plus "remote_url" (serve/pd.py)
     kv_transfer_params: dict[str, Any] | None = None
+    # structured output (the module docstring)
+    response_format: dict | None = None
+    guided_json: dict | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: Annotated[list[Text], Field(max_length=1024)] | None = None
+    guided_grammar: Text | None = None
+    structured_outputs: dict | None = None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The request's one structured-output constraint, or None; a ProtocolError names the field."""
+        try:
+            given = self._constraints()
+        except StructuredOutputError as e:
+            raise ProtocolError(str(e), param=e.field) from None
+        if len(given) > 1:
+            raise ProtocolError(f"give at most one structured-output constraint (got {', '.join(g.field for g in given)})",
+                                param=given[1].field)
+        return given[0] if given else None
+
+    def _constraints(self) -> list[StructuredOutputsParams]:
+        given = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type")
+            if kind == "json_object":
+                given.append(StructuredOutputsParams(json_object=True, field="response_format"))
+            elif kind == "json_schema":
+                spec = rf.get("json_schema")
+                if not isinstance(spec, dict) or "schema" not in spec:
+                    raise StructuredOutputError("response_format", "response_format: type json_schema needs "
+                                                "json_schema.schema (the JSON schema)")
+                given.append(StructuredOutputsParams(json=spec["schema"], field="response_format"))
+            elif kind != "text":
+                raise StructuredOutputError("response_format", f"response_format: type {kind!r} is not supported "
+                                            "(text, json_object, json_schema)")
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                given.append(StructuredOutputsParams(**{kind: getattr(self, name)}, field=name))
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            if unknown := [k for k, v in so.items() if k not in KINDS and v is not None]:
+                raise StructuredOutputError("structured_outputs", f"structured_outputs: {', '.join(unknown)} "
+                                            f"is not supported (one of {', '.join(KINDS)})")
+            given.append(StructuredOutputsParams(**{k: so[k] for k in KINDS if k in so}, field="structured_outputs"))
+        return given
 
     def sampling_params(self, defaults: dict[str, Any], max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None,
+                        constraint: StructuredOutputsParams | None = None) -> SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
             raise ProtocolError("best_of other than n is not supported", param="best_of")
         if self.stream_options is not None and not self.stream:
@@ -98,7 +153,8 @@ class _Sampling(_Body):
             return SamplingParams(**values, n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
                                   seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                                   ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                                  logit_bias=self.logit_bias)
+                                  logit_bias=self.logit_bias,
+                                  structured_outputs=constraint if constraint is not None else self.constraint())
         except SamplingParamsError as e:
             raise ProtocolError(str(e).removeprefix("SamplingParams."), param=e.field) from None
 
@@ -138,9 +194,11 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant", "developer"]
-    # null only where OpenAI allows it: an assistant turn with tool_calls, which this server does not take yet
-    content: Text | Annotated[list[TextPart], Field(max_length=MAX_PARTS)] | None
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    # null only where OpenAI allows it: an assistant turn with tool_calls
+    content: Text | Annotated[list[TextPart], Field(max_length=MAX_PARTS)] | None = None
+    tool_calls: Annotated[list[dict], Field(max_length=MAX_TOOLS)] | None = None  # an assistant turn's calls
+    tool_call_id: Text | None = None  # a tool turn: the call it answers
 
 
 class ChatCompletionRequest(_Sampling):
@@ -151,25 +209,63 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: StrictInt | None = None
     add_generation_prompt: StrictBool = True
     tools: Annotated[list[dict], Field(max_length=MAX_TOOLS)] | None = None
-    response_format: dict | None = None
+    tool_choice: Text | dict | None = None
+    parallel_tool_calls: StrictBool = True
+
+    def tool_list(self) -> list[tool_calls.Tool]:
+        try:
+            return tool_calls.parse_tools(self.tools or [])
+        except StructuredOutputError as e:
+            raise ProtocolError(str(e), param=e.field) from None
+
+    def tool_mode(self) -> str | tool_calls.Tool | None:
+        """None (no tool calls: no tools, or tool_choice "none"), "auto", "required" or the named Tool."""
+        try:
+            return tool_calls.resolve_choice(self.tool_list(), self.tool_choice)
+        except StructuredOutputError as e:
+            raise ProtocolError(str(e), param=e.field) from None
 
     def conversation(self) -> list[dict]:
+        """The messages as the chat template takes them, with the tools and tool turns rendered as text."""
         out = []
         for i, m in enumerate(self.messages):
-            if m.content is None:
+            calls = self._calls(i, m)
+            if m.content is None and not calls:
                 raise ProtocolError(f"messages[{i}].content is null: a {m.role} message needs content (a string "
                                     "or a list of text parts)", param=f"messages.{i}.content")
-            content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)
+            content = "" if m.content is None else m.content if isinstance(m.content, str) else \
+                "".join(p.text for p in m.content)
             # "developer" is OpenAI's newer name for the system role.
-            out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+            out.append({"role": "system" if m.role == "developer" else m.role, "content": content, "tool_calls": calls})
+        return tool_calls.render(out, self.tool_list() if self.tool_mode() is not None else [])
+
+    @staticmethod
+    def _calls(i: int, m: ChatMessage) -> list[dict]:
+        """An assistant turn's tool_calls as {"name", "arguments" (an object)}."""
+        if not m.tool_calls:
+            return []
+        if m.role != "assistant":
+            raise ProtocolError(f"messages[{i}]: only assistant messages carry tool_calls", param=f"messages.{i}")
+        out = []
+        for j, c in enumerate(m.tool_calls):
+            f = c.get("function") if isinstance(c, dict) else None
+            try:
+                arguments = json.loads(f["arguments"]) if isinstance(f["arguments"], str) else f["arguments"]
+                if not isinstance(f["name"], str) or not isinstance(arguments, dict):
+                    raise TypeError
+            except (TypeError, KeyError, json.JSONDecodeError):
+                raise ProtocolError(f"messages[{i}].tool_calls[{j}] must be {{\"function\": {{\"name\": ..., "
+                                    "\"arguments\": <a JSON object or its text>}}", param=f"messages.{i}.tool_calls") \
+                    from None
+            out.append({"name": f["name"], "arguments": arguments})
         return out
 
     def to_params(self, defaults: dict[str, Any]) -> SamplingParams:
-        if self.tools:
-            raise ProtocolError("tool calling is not supported", param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ProtocolError("structured output (response_format other than text) is not supported",
-                                param="response_format")
+        mode = self.tool_mode()
+        forced = tool_calls.constraint(self.tool_list(), mode, self.parallel_tool_calls) if mode is not None else None
+        if forced is not None and self.constraint() is not None:
+            raise ProtocolError(f"tool_choice {self.tool_choice!r} forces a tool call; it cannot be combined with "
+                                f"{self.constraint().field}", param="tool_choice")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if max_tokens is not None and max_tokens < 1:
             raise ProtocolError("max_tokens must be at least 1", param="max_completion_tokens")
@@ -178,7 +274,24 @@ class ChatCompletionRequest(_Sampling):
                 raise ProtocolError("top_logprobs needs logprobs=true", param="top_logprobs")
             if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
                 raise ProtocolError(f"top_logprobs must be in [0, {MAX_LOGPROBS}]", param="top_logprobs")
-        return self.sampling_params(defaults, max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        return self.sampling_params(defaults, max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
+                                    constraint=forced)
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize body: a prompt, or chat messages (with tools) rendered by the chat template."""
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
+    tools: Annotated[list[dict], Field(max_length=MAX_TOOLS)] | None = None
+    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(_Body):
+    model: Text | None = None
+    tokens: Annotated[list[StrictInt], Field(max_length=1 << 20)]
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict:
