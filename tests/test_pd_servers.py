@@ -3,6 +3,7 @@
 processes through jax.experimental.transfer (engine/kv_connector.py)."""
 
 import asyncio
+import json
 import subprocess
 import sys
 import time
@@ -66,6 +67,24 @@ def test_greedy_through_the_router_equals_one_server(cluster):
     assert metric(metrics(cluster["router"]["url"]), "ernie_jax_router:requests_total", path="split") == 7
     for role in ("prefill", "decode"):
         wait_idle(cluster[role]["url"])  # every KV page free again on both servers
+
+
+def test_a_constrained_request_split_across_servers_validates(cluster):
+    """The prefill server samples the first token under the request's JSON schema, the decode server's matcher
+    starts from it: the split reply validates and equals the decode server's own."""
+    import jsonschema
+    schema = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 8},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["word", "n"], "additionalProperties": False}
+    kw = dict(model=EMBEDDED_MODEL_NAME, max_tokens=40, temperature=0, messages=[{"role": "user", "content": "JSON"}],
+              response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    split_before = metric(metrics(cluster["router"]["url"]), "ernie_jax_router:requests_total", path="split")
+    got = _client(cluster["router"]["url"]).chat.completions.create(**kw).choices[0].message.content
+    assert metric(metrics(cluster["router"]["url"]), "ernie_jax_router:requests_total", path="split") == split_before + 1
+    jsonschema.validate(json.loads(got), schema)
+    assert got == _client(cluster["decode"]["url"]).chat.completions.create(**kw).choices[0].message.content
+    for role in ("prefill", "decode"):
+        wait_idle(cluster[role]["url"])
 
 
 def test_pages_the_decode_servers_prefix_cache_holds_are_not_pulled(cluster):

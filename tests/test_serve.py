@@ -441,6 +441,9 @@ STRUCTURED_BAD = [  # (body fields, the param the 400 names, words of its messag
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}}}}}, "response_format",
      "example.com"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}}, "response_format",
+     "uniqueItems"),  # a JSON-schema feature llguidance does not implement
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "json_schema.schema"),
     ({"response_format": {"type": "yaml"}}, "response_format", "'yaml' is not supported"),
     ({"guided_regex": "([a-z]"}, "guided_regex", "does not compile"),

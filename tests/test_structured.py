@@ -232,3 +232,31 @@ def test_constrained_replies_survive_preemption():
     assert llm.engine.stats().counters["num_preemptions"] > 0
     for o in outs:
         jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
+
+
+def test_chat_answers_carry_reasoning_and_tool_calls_streamed_and_not():
+    """The server's chat format with --reasoning-parser ernie45 and tools: the finished message and the
+    streamed deltas carry the same reasoning_content, content and tool_calls (ids aside)."""
+    import types
+
+    from ernie_jax.engine.outputs import CompletionOutput, RequestOutput
+    from ernie_jax.serve.api import _ChatFormat
+    from ernie_jax.serve.protocol import ChatCompletionRequest
+
+    text = ('<think>The user wants Oslo.</think>\n\nChecking.\n<tool_call>\n{"name": "get_weather", "arguments": '
+            '{"city": "Oslo", "unit": "c"}}\n</tool_call>')
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "Oslo?"}], tools=WEATHER)
+    server = types.SimpleNamespace(reasoning_parser="ernie45", model_name="m")
+    out = lambda t, done: RequestOutput("r", None, [1], [CompletionOutput(0, t, [], "stop" if done else None)],  # noqa: E731
+                                        done)
+    message, finish = _ChatFormat(server, body)._message(text, "stop")
+    assert (message["reasoning_content"], message["content"], finish) == ("The user wants Oslo.", "Checking.", "tool_calls")
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+    fmt, deltas = _ChatFormat(server, body), []
+    for i in range(0, len(text), 4):
+        deltas += fmt.chunks(0, out(text[:i + 4], i + 4 >= len(text)), text[i:i + 4], [], i == 0)
+    joined = {k: "".join(d["delta"].get(k) or "" for d in deltas) for k in ("reasoning_content", "content")}
+    assert joined == {"reasoning_content": "The user wants Oslo.", "content": "Checking."}
+    calls = [c for d in deltas for c in d["delta"].get("tool_calls", [])]
+    assert [c["function"] for c in calls] == [c["function"] for c in message["tool_calls"]]
+    assert deltas[-1]["finish_reason"] == "tool_calls"

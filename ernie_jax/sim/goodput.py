@@ -1,0 +1,176 @@
+"""Goodput as the disaggregation papers measure it (DistServe): the highest offered request rate at which at
+least 90 % of the requests meet both their TTFT and TPOT targets, per device, for each trace, serving mode
+and SLO pair, over several trace seeds.
+
+    python -m ernie_jax.sim.goodput [--traces shifting,sharegpt,...] [--slos tight,medium,loose] [--seeds 3]
+                                    [--cost h200] [--out FILE.json]
+
+Modes: colocated on all devices (chunked prefill), every static prefill:decode split the cost model can
+hold, and dynamic PD on the even split (it has to find its balance without being told the best split).
+For one (trace, mode, SLO, seed) the attainment is a step function of the rate, measured by simulating the
+trace at that rate (the same seeded lengths, arrivals scaled); the search doubles the rate until attainment
+falls below the target, then bisects. The table gives each mode's rate as mean +- the half-width of a 95 %
+t-interval over seeds; "best static" is, per seed, the best split's rate. `--curve` also prints attainment
+against rate for one trace and SLO (the notebook plots it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+import numpy as np
+
+from ernie_jax.sim.cost import FittedCost, H200Cost
+from ernie_jax.sim.simulator import SimConfig, simulate
+from ernie_jax.sim.traces import TRACES, make_trace
+
+# (TTFT seconds, TPOT seconds) relative to the cost model's own targets (H200: 2 s, 50 ms)
+SLO_FACTORS = {"tight": 0.5, "medium": 1.0, "loose": 2.0}
+ATTAINMENT = 0.9
+T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}  # t(0.975, n - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    label: str  # "colocated", "static 3:5", "dynamic 4:4"
+    mode: str  # SimConfig.mode
+    prefill_devices: int = 0
+
+
+def modes(cost, devices: int, page_size: int) -> list[Mode]:
+    out = [Mode("colocated", "colocated")]
+    for k in range(1, devices):
+        try:
+            cost.pages(k, page_size), cost.pages(devices - k, page_size)
+        except ValueError:  # a submesh that cannot hold the weights
+            continue
+        out.append(Mode(f"static {k}:{devices - k}", "static", k))
+    half = devices // 2
+    out.append(Mode(f"dynamic {half}:{devices - half}", "dynamic", half))
+    return out
+
+
+class Sweep:
+    """Attainment of one (trace, seed, SLO) at any rate, per mode; memoised."""
+
+    def __init__(self, cost, settings: dict, trace: str, seed: int, slo: tuple[float, float], devices: int,
+                 num_requests: int, phase_seconds: float | None):
+        self.cost, self.settings, self.trace, self.seed, self.slo = cost, dict(settings), trace, seed, slo
+        self.devices, self.num_requests, self.phase_seconds = devices, num_requests, phase_seconds
+        self._memo: dict[tuple[str, float], float] = {}
+
+    def attainment(self, mode: Mode, rate: float) -> float:
+        key = (mode.label, round(rate, 6))
+        if key not in self._memo:
+            settings = dict(self.settings)
+            scale = settings.pop("scale")
+            trace = make_trace(self.trace, rate, self.num_requests, seed=self.seed, scale=scale,
+                               max_model_len=settings["max_model_len"], phase_seconds=self.phase_seconds)
+            r = simulate(trace, self.cost, SimConfig(mode.mode, self.devices, mode.prefill_devices, **settings))
+            self._memo[key] = r.attained(*self.slo)
+        return self._memo[key]
+
+    def max_rate(self, mode: Mode, start: float, steps: int = 7) -> float:
+        """The highest rate with attainment >= ATTAINMENT, to a factor of 2**(1 / 2**steps) or so."""
+        lo, hi = 0.0, start
+        while self.attainment(mode, hi) >= ATTAINMENT:
+            lo, hi = hi, hi * 2
+            if hi > 1e4:
+                return hi
+        if lo == 0.0:  # not met at the starting rate: search below it
+            lo = start / 64
+            if self.attainment(mode, lo) < ATTAINMENT:
+                return 0.0
+        for _ in range(steps):
+            mid = (lo * hi) ** 0.5
+            lo, hi = (mid, hi) if self.attainment(mode, mid) >= ATTAINMENT else (lo, mid)
+        return lo
+
+
+def interval(xs: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its 95 % t-interval."""
+    a = np.asarray(xs, float)
+    if len(a) < 2:
+        return float(a.mean()), float("nan")
+    return float(a.mean()), float(T95.get(len(a) - 1, 1.96) * a.std(ddof=1) / np.sqrt(len(a)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ernie_jax.sim.goodput", description=__doc__.split("\n")[0])
+    ap.add_argument("--traces", default="prompt-heavy,decode-heavy,sharegpt,shifting",
+                    help=f"comma-separated, from {TRACES}")
+    ap.add_argument("--slos", default="tight,medium,loose", help=f"comma-separated, from {tuple(SLO_FACTORS)}")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--cost", default="h200", help="h200, or a fitted model's .json (sim.calibrate)")
+    ap.add_argument("--devices", type=int, default=8)
+    ap.add_argument("--num-requests", type=int, default=200, help="per trace (shifting: see --phase-seconds)")
+    ap.add_argument("--phase-seconds", type=float, default=60.0, help="shifting: each phase's length")
+    ap.add_argument("--start-rate", type=float, default=2.0, help="requests/s where the search starts")
+    ap.add_argument("--curve", default=None, metavar="TRACE:SLO", help="print attainment against rate for one pair")
+    ap.add_argument("--out", default=None, help="write every figure as JSON")
+    args = ap.parse_args(argv)
+    cost = H200Cost() if args.cost == "h200" else FittedCost.load(args.cost)
+    settings = dict(cost.settings)
+    traces, slos = args.traces.split(","), args.slos.split(",")
+    for name in traces:
+        if name not in TRACES:
+            ap.error(f"--traces: {name!r} is not one of {TRACES}")
+    for name in slos:
+        if name not in SLO_FACTORS:
+            ap.error(f"--slos: {name!r} is not one of {tuple(SLO_FACTORS)}")
+    all_modes = modes(cost, args.devices, settings["block_size"])
+    print(f"cost model: {cost.name}; {args.devices} devices; goodput = the highest rate (req/s) with >= "
+          f"{ATTAINMENT:.0%} of requests meeting TTFT and TPOT; mean +- 95 % interval over {args.seeds} seeds")
+    print("| trace | SLO (TTFT s / TPOT ms) | colocated | best static (split) | dynamic | dynamic / best static | "
+          "per device: best static / dynamic |")
+    print("|---|---|---|---|---|---|---|")
+    results = []
+    for trace in traces:
+        for slo_name in slos:
+            f = SLO_FACTORS[slo_name]
+            slo = (cost.ttft_slo * f, cost.tpot_slo * f)
+            per_mode: dict[str, list[float]] = {m.label: [] for m in all_modes}
+            for seed in range(args.seeds):
+                sweep = Sweep(cost, settings, trace, seed, slo, args.devices, args.num_requests,
+                              args.phase_seconds if trace == "shifting" else None)
+                for m in all_modes:
+                    per_mode[m.label].append(sweep.max_rate(m, args.start_rate))
+            statics = [m.label for m in all_modes if m.mode == "static"]
+            best_per_seed = [max(per_mode[s][i] for s in statics) for i in range(args.seeds)]
+            best_split = max(statics, key=lambda s: np.mean(per_mode[s]))
+            dyn = next(m.label for m in all_modes if m.mode == "dynamic")
+            (c, ci_c), (b, ci_b), (d, ci_d) = (interval(per_mode["colocated"]), interval(best_per_seed),
+                                               interval(per_mode[dyn]))
+            ratio = d / b if b else float("nan")
+            print(f"| {trace} | {slo_name} ({slo[0]:g} / {slo[1] * 1e3:g}) | {c:.2f} +- {ci_c:.2f} | "
+                  f"{b:.2f} +- {ci_b:.2f} ({best_split.split()[1]}) | {d:.2f} +- {ci_d:.2f} | {ratio:.2f} | "
+                  f"{b / args.devices:.3f} / {d / args.devices:.3f} |", flush=True)
+            results.append({"trace": trace, "slo": slo_name, "ttft_slo": slo[0], "tpot_slo": slo[1],
+                            "rates": per_mode, "best_static_per_seed": best_per_seed, "best_split": best_split})
+    if args.curve:
+        trace, slo_name = args.curve.split(":")
+        f = SLO_FACTORS[slo_name]
+        sweep = Sweep(cost, settings, trace, 0, (cost.ttft_slo * f, cost.tpot_slo * f), args.devices,
+                      args.num_requests, args.phase_seconds if trace == "shifting" else None)
+        rates = [args.start_rate * 2 ** (k / 2) for k in range(-4, 7)]
+        print(f"\nattainment against rate, {trace}, {slo_name} (seed 0)")
+        print("| rate | " + " | ".join(m.label for m in all_modes) + " |")
+        print("|---" * (len(all_modes) + 1) + "|")
+        curve = []
+        for rate in rates:
+            row = [sweep.attainment(m, rate) for m in all_modes]
+            curve.append({"rate": rate, **{m.label: a for m, a in zip(all_modes, row)}})
+            print(f"| {rate:.2f} | " + " | ".join(f"{a:.0%}" for a in row) + " |", flush=True)
+        results.append({"curve": {"trace": trace, "slo": slo_name, "points": curve}})
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"cost": cost.name, "devices": args.devices, "seeds": args.seeds, "results": results}, fh,
+                      indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
