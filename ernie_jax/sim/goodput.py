@@ -7,9 +7,10 @@ and SLO pair, over several trace seeds.
 
 Modes: colocated on all devices (chunked prefill), every static prefill:decode split the cost model can
 hold, and dynamic PD on the even split (it has to find its balance without being told the best split).
-For one (trace, mode, SLO, seed) the attainment is a step function of the rate, measured by simulating the
-trace at that rate (the same seeded lengths, arrivals scaled); the search doubles the rate until attainment
-falls below the target, then bisects. The table gives each mode's rate as mean +- the half-width of a 95 %
+For one (trace, mode, SLO, seed) the attainment is measured by simulating `--duration` seconds of arrivals at
+that rate (rate x duration requests, so a higher rate is a longer queue, not a shorter trace; the shifting
+trace's four phases a quarter of it each); the search doubles the rate until attainment falls below the
+target, then bisects. The table gives each mode's rate as mean +- the half-width of a 95 %
 t-interval over seeds; "best static" is, per seed, the best split's rate. `--curve` also prints attainment
 against rate for one trace and SLO (the notebook plots it).
 """
@@ -57,9 +58,9 @@ class Sweep:
     """Attainment of one (trace, seed, SLO) at any rate, per mode; memoised."""
 
     def __init__(self, cost, settings: dict, trace: str, seed: int, slo: tuple[float, float], devices: int,
-                 num_requests: int, phase_seconds: float | None):
+                 duration: float):
         self.cost, self.settings, self.trace, self.seed, self.slo = cost, dict(settings), trace, seed, slo
-        self.devices, self.num_requests, self.phase_seconds = devices, num_requests, phase_seconds
+        self.devices, self.duration = devices, duration
         self._memo: dict[tuple[str, float], float] = {}
 
     def attainment(self, mode: Mode, rate: float) -> float:
@@ -67,19 +68,20 @@ class Sweep:
         if key not in self._memo:
             settings = dict(self.settings)
             scale = settings.pop("scale")
-            trace = make_trace(self.trace, rate, self.num_requests, seed=self.seed, scale=scale,
-                               max_model_len=settings["max_model_len"], phase_seconds=self.phase_seconds)
+            trace = make_trace(self.trace, rate, max(20, round(rate * self.duration)), seed=self.seed, scale=scale,
+                               max_model_len=settings["max_model_len"],
+                               phase_seconds=self.duration / 4 if self.trace == "shifting" else None)
             r = simulate(trace, self.cost, SimConfig(mode.mode, self.devices, mode.prefill_devices, **settings))
             self._memo[key] = r.attained(*self.slo)
         return self._memo[key]
 
-    def max_rate(self, mode: Mode, start: float, steps: int = 7) -> float:
+    def max_rate(self, mode: Mode, start: float, steps: int = 5) -> float:
         """The highest rate with attainment >= ATTAINMENT, to a factor of 2**(1 / 2**steps) or so."""
         lo, hi = 0.0, start
         while self.attainment(mode, hi) >= ATTAINMENT:
             lo, hi = hi, hi * 2
-            if hi > 1e4:
-                return hi
+            if hi > 1e3:
+                raise RuntimeError(f"{self.trace}, {mode.label}: the SLO is still met at {hi:g} req/s")
         if lo == 0.0:  # not met at the starting rate: search below it
             lo = start / 64
             if self.attainment(mode, lo) < ATTAINMENT:
@@ -106,9 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--cost", default="h200", help="h200, or a fitted model's .json (sim.calibrate)")
     ap.add_argument("--devices", type=int, default=8)
-    ap.add_argument("--num-requests", type=int, default=200, help="per trace (shifting: see --phase-seconds)")
-    ap.add_argument("--phase-seconds", type=float, default=60.0, help="shifting: each phase's length")
-    ap.add_argument("--start-rate", type=float, default=2.0, help="requests/s where the search starts")
+    ap.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals per simulated run")
+    ap.add_argument("--start-rate", type=float, default=4.0, help="requests/s where the search starts")
     ap.add_argument("--curve", default=None, metavar="TRACE:SLO", help="print attainment against rate for one pair")
     ap.add_argument("--out", default=None, help="write every figure as JSON")
     args = ap.parse_args(argv)
@@ -134,8 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             slo = (cost.ttft_slo * f, cost.tpot_slo * f)
             per_mode: dict[str, list[float]] = {m.label: [] for m in all_modes}
             for seed in range(args.seeds):
-                sweep = Sweep(cost, settings, trace, seed, slo, args.devices, args.num_requests,
-                              args.phase_seconds if trace == "shifting" else None)
+                sweep = Sweep(cost, settings, trace, seed, slo, args.devices, args.duration)
                 for m in all_modes:
                     per_mode[m.label].append(sweep.max_rate(m, args.start_rate))
             statics = [m.label for m in all_modes if m.mode == "static"]
@@ -153,8 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.curve:
         trace, slo_name = args.curve.split(":")
         f = SLO_FACTORS[slo_name]
-        sweep = Sweep(cost, settings, trace, 0, (cost.ttft_slo * f, cost.tpot_slo * f), args.devices,
-                      args.num_requests, args.phase_seconds if trace == "shifting" else None)
+        sweep = Sweep(cost, settings, trace, 0, (cost.ttft_slo * f, cost.tpot_slo * f), args.devices, args.duration)
         rates = [args.start_rate * 2 ** (k / 2) for k in range(-4, 7)]
         print(f"\nattainment against rate, {trace}, {slo_name} (seed 0)")
         print("| rate | " + " | ".join(m.label for m in all_modes) + " |")
