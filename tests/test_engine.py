@@ -534,3 +534,18 @@ def test_a_step_that_fails_on_the_host_fails_only_its_requests_and_keeps_the_pre
     assert again.num_cached_tokens == 32  # both full pages of the shared prefix, cached before the failure
     assert "failed the 1 requests of that step; its KV pool is intact" in caplog.text
     assert all_free(engine) and not engine.requests
+
+
+def test_step_profile_times_the_host_parts_and_leaves_the_engine_as_it_was():
+    """`bench step-profile`'s measurement: its timers wrap the instance's methods from outside and are
+    removed after; every part is timed, the decode program alone too, and every page is free again."""
+    from ernie_jax.bench.step_profile import PARTS, profile
+    engine_llm = llm("single")
+    inst = engine_llm.engine.instances[0]
+    before = (vars(inst.scheduler).copy(), vars(inst.runner).copy(), vars(inst.programs).copy())
+    r = profile(engine_llm, streams=2, steps=3, prompt_len=8)
+    assert r["streams"] == 2 and r["wall"] > 0 and r["device"] > 0 and r["tok_s"] > 0
+    assert all(r[k] >= 0 for k in PARTS) and r["launch"] > 0 and r["read"] > 0
+    assert set(vars(inst.scheduler)) == set(before[0]) and set(vars(inst.runner)) == set(before[1])
+    assert set(vars(inst.programs)) == set(before[2])  # no wrapper left behind
+    assert all_free(engine_llm.engine)

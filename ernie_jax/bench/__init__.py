@@ -5,5 +5,6 @@
 - `prefix`, `capacity`: KV memory, prefix caching on/off and oversubscribed pools (kv.py);
 - `itl`: decode inter-token latency while a long prompt prefills under PD (itl.py);
 - `mtp`: MTP speculative decoding against plain decoding on held-out text (mtp.py);
-- `eplb`: expert-parallel balancedness with redundant experts (eplb.py).
+- `eplb`: expert-parallel balancedness with redundant experts (eplb.py);
+- `step-profile`: where a decode step's time goes on the host and the device (step_profile.py).
 """

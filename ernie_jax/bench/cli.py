@@ -14,7 +14,7 @@ def main(argv: list[str] | None = None) -> int:
         # The HTTP client owns its own arguments and must not pull in the engine.
         from ernie_jax.bench import serve
         return serve.main(argv[1:])
-    from ernie_jax.bench import eplb, itl, kv, mtp, offline
+    from ernie_jax.bench import eplb, itl, kv, mtp, offline, step_profile
     ap = argparse.ArgumentParser(prog="python -m ernie_jax.bench", description=bench.__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -24,5 +24,6 @@ def main(argv: list[str] | None = None) -> int:
     itl.add_parsers(sub)
     mtp.add_parsers(sub)
     eplb.add_parsers(sub)
+    step_profile.add_parsers(sub)
     args = ap.parse_args(argv)
     return args.run(args)

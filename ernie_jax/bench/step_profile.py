@@ -1,0 +1,163 @@
+"""`python -m ernie_jax.bench step-profile`: where one decode step's time goes, at 1 and 16 streams.
+
+    python -m ernie_jax.bench step-profile [--model MODEL] [--streams 1,16] [--steps 64] [--dtype bfloat16]
+        [--mesh M] [--no-chain]
+
+For each stream count, that many greedy requests are prefilled, then `--steps` decode steps are driven on
+the instance exactly as the engine's loop drives them (`Instance.begin` / `end`, the chained decode step
+in flight included), with a timer around each part the host does:
+- plan: the step boundary (aborts, arrivals, whether the step in flight must be read first) and
+  `Scheduler.schedule`;
+- inputs: the runner's host arrays (token ids, positions, block tables, sampling arrays);
+- launch: handing the programs to the runtime (`ModelPrograms.run` / `sample` / `chain_decode`: host to
+  device copies and dispatch; XLA runs them asynchronously);
+- read: waiting for the results and reading them (`ModelRunner.read`: the device time not hidden behind the
+  host, then the copy back);
+- update: `Scheduler.update` (tokens to requests: stop rules, detokenizing, page growth).
+The decode program alone (its last inputs replayed, waited for each time) gives the device time; the step
+wall time minus the host parts is time the host waited. Nothing in the engine is changed: the timers wrap
+the instance's methods from outside.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import contextmanager
+
+import numpy as np
+
+PARTS = ("plan", "inputs", "launch", "read", "update")
+
+
+class _Timers:
+    """Seconds per part; a timed call inside another counts in its own part only (the outer part's time
+    excludes it): the runner's dispatch is "inputs" less the launches inside it."""
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(PARTS, 0.0)
+        self.stack: list[list] = []  # [part, start, seconds of timed calls inside]
+
+    @contextmanager
+    def part(self, name: str):
+        self.stack.append([name, time.perf_counter(), 0.0])
+        try:
+            yield
+        finally:
+            _, t0, inner = self.stack.pop()
+            spent = time.perf_counter() - t0
+            self.seconds[name] += spent - inner
+            if self.stack:
+                self.stack[-1][2] += spent
+
+    def wrap(self, obj, method: str, part: str):
+        original = getattr(obj, method)
+
+        def timed(*args, **kwargs):
+            with self.part(part):
+                return original(*args, **kwargs)
+        setattr(obj, method, timed)
+        return original
+
+
+def profile(llm, streams: int, steps: int, prompt_len: int, seed: int = 0) -> dict:
+    """One decode-step profile of `streams` requests on the engine's (first) instance."""
+    from ernie_jax import SamplingParams
+
+    engine = llm.engine
+    inst = engine.instances[-1]  # colocated: the only one; PD: the decode instance
+    rng = np.random.default_rng(seed)
+    vocab = engine.cfg.vocab_size
+    sp = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    ids = [engine.add_request(rng.integers(3, vocab, prompt_len).tolist(), sp) for _ in range(streams)]
+    while any(not engine.requests[i].output_ids for i in ids):  # prefill every prompt (its own steps)
+        engine.step()
+    timers = _Timers()
+    runner, scheduler, programs = inst.runner, inst.scheduler, inst.programs
+    originals = {}
+    for obj, method, part in ((scheduler, "schedule", "plan"), (runner, "dispatch", "inputs"),
+                              (programs, "run", "launch"), (programs, "sample", "launch"),
+                              (programs, "chain_decode", "launch"), (runner, "read", "read"),
+                              (runner, "read_in_flight", "read"), (scheduler, "update", "update")):
+        originals[(obj, method)] = timers.wrap(obj, method, part)
+    last_run = {}
+    run = programs.run
+
+    def remember(kind, *args, **kwargs):  # the decode program's last inputs, to replay it alone
+        if kind == "decode":
+            last_run["args"] = (kind, *args)
+        return run(kind, *args, **kwargs)
+    programs.run = remember
+    walls, plan_seconds = [], []
+    try:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            before = dict(timers.seconds)
+            begun = inst.begin()
+            inst.end(begun)
+            walls.append(time.perf_counter() - t0)
+            plan_seconds.append({k: timers.seconds[k] - before[k] for k in PARTS})
+    finally:
+        for (obj, method) in originals:
+            vars(obj).pop(method, None)  # the class's method again
+        vars(programs).pop("run", None)
+    while engine.has_unfinished():
+        engine.step()
+    # the device alone: the decode program on its last inputs, waited for each time
+    import jax
+    device = []
+    if "args" in last_run:
+        kind, *args = last_run["args"]
+        for _ in range(8):
+            t0 = time.perf_counter()
+            jax.block_until_ready(programs.run(kind, *args)[:3])
+            device.append(time.perf_counter() - t0)
+    med = {k: statistics.median(p[k] for p in plan_seconds) for k in PARTS}
+    wall = statistics.median(walls)
+    host = sum(med.values())
+    return {"streams": streams, "wall": wall, **med, "host": host, "waited": max(0.0, wall - host),
+            "device": statistics.median(device) if device else float("nan"), "tok_s": streams / wall}
+
+
+def step_profile(args) -> int:
+    from ernie_jax.sharding.mesh import request_host_devices
+    request_host_devices(args.mesh)
+    import jax
+
+    from ernie_jax import LLM
+
+    counts = [int(x) for x in args.streams.split(",")]
+    llm = LLM(args.model, dtype=args.dtype, mesh=args.mesh, max_num_seqs=max(counts),
+              max_model_len=args.prompt_len + args.steps + 16, background_compile=False,
+              **({"disaggregate": False} if args.mesh else {}))
+    if args.no_chain:
+        for inst in llm.engine.instances:
+            inst.scheduler.overlap = False
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               "?") if jax.default_backend() == "cpu" else jax.devices()[0].device_kind
+    print(f"model {args.model or 'the embedded model'} ({args.dtype}), {jax.device_count()} {jax.default_backend()} device(s) ({cpu}), "
+          f"prompt {args.prompt_len} tokens, {args.steps} decode steps each, chained: {not args.no_chain}; "
+          "medians per step, ms")
+    print("| streams | step wall | plan | inputs | launch | read (incl. wait) | update | host total | "
+          "decode program alone | tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for n in counts:
+        profile(llm, n, 4, args.prompt_len)  # every program and sampler variant compiled and warm
+        r = profile(llm, n, args.steps, args.prompt_len, seed=1)
+        ms = {k: 1e3 * v for k, v in r.items() if k not in ("streams", "tok_s")}
+        print(f"| {n} | {ms['wall']:.2f} | {ms['plan']:.2f} | {ms['inputs']:.2f} | {ms['launch']:.2f} | "
+              f"{ms['read']:.2f} | {ms['update']:.2f} | {ms['host'] - ms['read']:.2f} + read | "
+              f"{ms['device']:.2f} | {r['tok_s']:.0f} |", flush=True)
+    return 0
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("step-profile", help="where a decode step's time goes (host parts, device, waiting)")
+    p.add_argument("--model", default=None, help="checkpoint folder or preset (default: the embedded model)")
+    p.add_argument("--streams", default="1,16", help="comma-separated stream counts")
+    p.add_argument("--steps", type=int, default=64, help="decode steps profiled per stream count")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--mesh", default=None)
+    p.add_argument("--no-chain", action="store_true", help="read every decode step before planning the next")
+    p.set_defaults(run=step_profile)
