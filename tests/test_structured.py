@@ -260,3 +260,36 @@ def test_chat_answers_carry_reasoning_and_tool_calls_streamed_and_not():
     calls = [c for d in deltas for c in d["delta"].get("tool_calls", [])]
     assert [c["function"] for c in calls] == [c["function"] for c in message["tool_calls"]]
     assert deltas[-1]["finish_reason"] == "tool_calls"
+
+
+def test_server_flags_turn_structured_output_off_and_the_reasoning_parser_on():
+    """--guided-decoding-backend off refuses constraints with a 400 naming the flag; --reasoning-parser ernie45
+    answers with reasoning_content (a reply with no </think> is all reasoning, as vLLM reads it)."""
+    import asyncio
+
+    import httpx
+
+    from ernie_jax.engine.async_engine import AsyncEngine
+    from ernie_jax.serve.api import Server, create_app
+    from ernie_jax.serve.metrics import ServerMetrics
+
+    llm = embedded()
+    metrics = ServerMetrics(llm.engine.stats, "m")
+    engine = AsyncEngine(llm.engine, on_finish=metrics.on_finish)
+    app = create_app(Server(engine, llm.tokenizer, "m", {}, metrics, structured_output=False,
+                            reasoning_parser="ernie45"))
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0}
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            refused = await c.post("/v1/chat/completions", json={**body, "guided_regex": "a+"})
+            ok = await c.post("/v1/chat/completions", json=body)
+            return refused, ok
+    try:
+        refused, ok = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "guided_regex"
+    assert "--guided-decoding-backend off" in refused.json()["error"]["message"]
+    message = ok.json()["choices"][0]["message"]
+    assert message["reasoning_content"] and message["content"] is None

@@ -57,6 +57,7 @@ class Server:
     max_request_bytes: int = 8 * 2**20  # larger request bodies get 413
     pd: PDServer = dataclasses.field(default_factory=PDServer)  # prefill/decode across servers (serve/pd.py)
     reasoning_parser: str | None = None  # "ernie45": <think>...</think> becomes reasoning_content
+    structured_output: bool = True  # False (--guided-decoding-backend off): constraints are refused
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
 
@@ -239,6 +240,9 @@ def _check_model(server: Server, model: str | None) -> None:
 async def _respond(server: Server, request: Request, body, prompts: list[_Prompt], params: SamplingParams, fmt):
     if params.n > server.max_n:
         raise ProtocolError(f"n={params.n} is more than this server allows ({server.max_n})", param="n")
+    if params.structured_outputs is not None and not server.structured_output:
+        raise ProtocolError("structured output is off on this server (--guided-decoding-backend off)",
+                            param=params.structured_outputs.field)
     try:
         validate = functools.partial(check_requests, server.engine.validate, [p.ids for p in prompts],
                                      [params] * len(prompts))

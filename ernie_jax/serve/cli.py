@@ -29,6 +29,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                     "default: the embedded ernie-4.5-tiny-fp8")
     a("--served-model-name", default=None, help="the model id clients send (default: the folder name)")
     a("--host", default="127.0.0.1")
+    a("--guided-decoding-backend", default="auto", choices=["auto", "guidance", "off"],
+      help="structured output and forced tool calls (FastDeploy's flag; vLLM's backend name): auto and guidance "
+           "use llguidance; off refuses response_format, guided_* and structured_outputs with a 400")
     a("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
       help="split a thinking model's <think>...</think> into reasoning_content (vLLM's flag and name; "
            "FastDeploy's is ernie-x1). Tool calls in ERNIE-4.5's <tool_call> format are parsed whenever a "
@@ -212,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     fatal.async_engine = async_engine
     server = Server(async_engine, llm.tokenizer, name, llm.sampling_defaults, metrics,
                     max_queue_len=args.max_queue_len, max_n=args.max_n, api_key=args.api_key,
-                    max_request_bytes=args.max_request_bytes, pd=pd, reasoning_parser=args.reasoning_parser)
+                    max_request_bytes=args.max_request_bytes, pd=pd, reasoning_parser=args.reasoning_parser,
+                    structured_output=args.guided_decoding_backend != "off")
     app = create_app(server)
 
     class _Uvicorn(uvicorn.Server):
