@@ -77,6 +77,13 @@ def test_policy_targets():
     assert targeted.admit_seats(view("decode", running=5), 3, busy, oldest_wait=0.5) == 0  # over half full
     assert targeted.admit_seats(view("decode", running=5), 3, busy, oldest_wait=1.5) == 3
     assert PDPolicy("dynamic").admit_seats(view("decode", running=5), 3, busy, oldest_wait=1.5) == 0
+    # the decode instance takes prompts only while its decode steps leave half the TPOT target free
+    assert targeted.admit_seats(view("decode", running=1, step=0.02), 3, busy) == 3
+    assert targeted.admit_seats(view("decode", running=1, step=0.03), 3, busy) == 0
+    assert targeted.admit_seats(view("decode", running=0, step=0.03), 3, busy) == 4  # nothing of its own to slow
+    assert PDPolicy("dynamic").admit_seats(view("decode", running=1, step=0.03), 3, busy) == 3  # no target
+    with pytest.raises(ValueError, match="steal_step_fraction"):
+        PDPolicy("dynamic", steal_step_fraction=2)
 
 
 def test_role_switching_across_servers_uses_the_same_rules():

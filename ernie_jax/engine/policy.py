@@ -28,7 +28,11 @@ Targets (optional, seconds), for deployments where the two instances slow each o
 a shared interconnect):
 - `tpot_target`: the prefill instance decodes in place only while the recent decode steps of both
   instances take at most this; slower, it hands its decoding requests over (as far as the decode instance
-  has seats).
+  has seats). And the decode instance prefills waiting prompts only while its recent decode steps take at
+  most `steal_step_fraction` of it: a prompt's chunks in its steps lengthen every decoding request's token
+  gaps, so it takes prompts only with that much room (without this rule, stealing cost prompt-heavy traffic
+  under a tight TPOT target a third of its SLO attainment in the simulator: benchmarks/RESULTS.md, "Role
+  switching: goodput").
 - `ttft_target`: once the oldest waiting prompt has waited half of this, the decode instance prefills
   waiting prompts into any free seat, not only up to `steal_max_occupancy`.
 """
@@ -70,12 +74,14 @@ class PDPolicy:
     max_backlog: int | None = None  # handed-over requests waiting at the decode instance (None: max_num_seqs)
     tpot_target: float | None = None
     ttft_target: float | None = None
+    steal_step_fraction: float = 0.5  # with tpot_target: the decode instance prefills while its steps take <= this x it
 
     def __post_init__(self):
         if self.mode not in POLICIES:
             raise ValueError(f"pd policy {self.mode!r}: expected one of {POLICIES}")
-        if not 0 <= self.steal_max_occupancy <= 1 or not 0 <= self.steal_min_free_pages <= 1:
-            raise ValueError("steal_max_occupancy and steal_min_free_pages are fractions in [0, 1]")
+        if not 0 <= self.steal_max_occupancy <= 1 or not 0 <= self.steal_min_free_pages <= 1 or \
+                not 0 <= self.steal_step_fraction <= 1:
+            raise ValueError("steal_max_occupancy, steal_min_free_pages and steal_step_fraction are fractions in [0, 1]")
         for name in ("tpot_target", "ttft_target"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
@@ -92,6 +98,9 @@ class PDPolicy:
             return me.seats_free if peer.backlog < backlog_limit else 0
         if self.mode == "static" or waiting < self.steal_min_waiting or peer.prefilling == 0:
             return 0  # the prefill instance is idle (it takes the prompt at its next boundary) or static
+        if self.tpot_target is not None and me.running and \
+                me.decode_step_seconds > self.steal_step_fraction * self.tpot_target:
+            return 0  # no room in its decode steps for a prompt's chunks within the TPOT target
         limit = int(self.steal_max_occupancy * me.max_num_seqs)
         if self.ttft_target is not None and oldest_wait >= self.ttft_target / 2:
             limit = me.max_num_seqs  # the oldest prompt's TTFT is at risk: any free seat takes prompts
