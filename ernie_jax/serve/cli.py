@@ -50,7 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
            "prompts into any free batch slot")
     a("--pd-tpot-target", type=float, default=None, metavar="SECONDS",
       help="dynamic: the prefill submesh decodes in place only while both submeshes' decode steps take "
-           "at most this")
+           "at most this, and the decode submesh prefills prompts only while its decode steps take at most half "
+           "of it")
     a("--pd-role", default="mixed", choices=["mixed", "prefill", "decode"],
       help="prefill/decode on different servers behind `python -m ernie_jax.router` (FastDeploy's "
            "--splitwise-role, SGLang's --disaggregation-mode): prefill keeps each prompt's KV for a decode "
