@@ -5,8 +5,8 @@ A call is written as vLLM's `ernie45` tool parser and FastDeploy's `ernie-x1` pa
 `<tool_call>` + newline + `{"name": ..., "arguments": {...}}` + newline + `</tool_call>`, several calls one
 after another. The tools are described in a system turn (each as its OpenAI JSON, then the call format);
 an assistant turn that called tools is rendered as those blocks, and a tool's result (`role: "tool"`) as a
-user turn holding `<tool_response>` ... `</tool_response>`, the convention of the family's thinking models'
-published templates. Plain Python.
+user turn holding `<tool_response>` ... `</tool_response>` (the Qwen-style convention that community templates
+of the family's thinking models use). Plain Python.
 """
 
 from __future__ import annotations
