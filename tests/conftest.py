@@ -44,6 +44,7 @@ SLOW_CASES: dict[str, tuple[str, ...]] = {
     "test_pd_servers.py::test_a_decode_server_killed_mid_stream_fails_its_stream_and_a_restarted_one_rejoins": (),
     "test_pd_servers.py::test_split_with_mtp_fp8_kv_and_different_meshes": (),
     "test_pd_servers.py::test_dynamic_roles_across_servers_take_a_prompt_burst_on_the_decode_servers": (),
+    "test_pd_servers.py::test_a_kv_transfer_port_in_use_stops_the_server_naming_the_flag": (),
     "test_serve.py::test_fuzzed_requests_never_get_a_5xx_or_break_the_server": ("20",),
     "test_serve_soak.py::test_hundreds_of_clients_with_disconnects_and_malformed_requests": (),
     "test_fp8.py::test_fp8_paddle_checkpoint_weight_only_matches_dequantized_reference": (),

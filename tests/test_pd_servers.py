@@ -282,3 +282,24 @@ def _burst(url: str, n: int) -> list[float]:
         async with httpx.AsyncClient(timeout=300) as client:
             return await asyncio.gather(*(one(client, i) for i in range(n)))
     return asyncio.run(run())
+
+
+def test_a_kv_transfer_port_in_use_stops_the_server_naming_the_flag():
+    """A prefill server whose --kv-transfer-address port is taken exits 1 with the flag and the address in its
+    message, leaving nothing running."""
+    import socket
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        server = launch("ernie_jax.serve", COMMON + ["--pd-role", "prefill", "--kv-transfer-address",
+                                                     f"127.0.0.1:{port}"])
+        try:
+            assert server["proc"].wait(timeout=300) == 1
+        finally:
+            if server["proc"].poll() is None:
+                server["proc"].kill()
+    with open(server["log"]) as f:
+        log = f.read()
+    assert f"--kv-transfer-address: cannot start the KV transfer server at 127.0.0.1:{port}" in log, log[-2000:]
+    assert "Address already in use" in log
