@@ -247,3 +247,15 @@ def test_prefix_caching_and_preemption_across_processes(small_model):
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     want = [(llm.generate(prompt_token_ids=[p], sampling_params=params)[0].outputs[0].text, None) for p in prompts]
     assert [results[0], results[1], again] == [want[0], want[1], want[0]]
+
+
+def test_fp8_kv_and_a_json_schema_across_processes(small_model):
+    """FP8 KV pages (values and scales sharded like the bf16 ones) and a constrained request (the leader's
+    matcher masks the sampler every process runs): greedy text equal to one process with the same settings,
+    and the constrained reply matches its regex."""
+    import re
+    with _serving(["--model", small_model, "--kv-cache-dtype", "fp8"]) as (leader, _):
+        got = [_complete(leader["url"], p, None) for p in PROMPTS]
+        guided = _complete(leader["url"], PROMPTS[0], None, guided_regex=r"[a-z]{2,5} [a-z]{2,5}")[0]
+    assert got == _reference(small_model, logprobs=None, kv_cache_dtype="fp8")
+    assert re.fullmatch(r"[a-z]{2,5} [a-z]{2,5}", guided), guided
