@@ -88,14 +88,12 @@ class OutputProcessor:
         grammar allowed (a stop), or the grammar is complete and takes nothing more (a stop too, as vLLM
         ends such requests). A token the grammar refuses cannot have been sampled under its mask; it is an
         error, never a silently wrong answer."""
-        if token in self.stop_ids(req) and req.guide.accept(token):
-            self.finish(req, "stop", token)
-            return False
         if not req.guide.accept(token):
             raise RuntimeError(f"{req.request_id}: token {token} is not allowed by its {req.guide.kind} constraint "
                                f"({req.guide.error})")
-        if req.guide.finished:
-            self.finish(req, "stop", None)
+        stop = token in self.stop_ids(req)
+        if stop or req.guide.finished:
+            self.finish(req, "stop", token if stop else None)
             return False
         return True
 

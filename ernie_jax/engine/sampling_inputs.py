@@ -8,14 +8,12 @@ counts, logit_bias, and min_tokens' suppression of the stop tokens), and structu
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import numpy as np
 
 from ernie_jax.engine.request import Request
 from ernie_jax.sampling import GREEDY_BELOW
-from ernie_jax.structured.guide import bitmask
 
 SAMPLING_ARGS = ("temperature", "top_p", "top_k", "seeds", "steps")  # the step programs' sampling arrays, in order
 
@@ -35,7 +33,7 @@ def sampling_arrays(reqs: list[Request], B: int, *, vocab_size: int,
               "seeds": np.asarray([r.seed for r in reqs] + [0] * pad, np.uint32),
               "steps": np.asarray(steps + [0] * pad, np.int32),
               "min_p": f(x.min_p for x in p) if any(x.min_p for x in p) else None, "penalties": None,
-              "allowed": None}  # structured output's token masks: the runner adds them (guided_mask)
+              "allowed": None}  # structured output's token masks: the runner adds them (ModelRunner._mask)
     suppress = [step < r.params.min_tokens for r, step in zip(reqs, steps)]  # step: the token's index
     if any(x.uses_penalties for x in p) or any(suppress):
         V = vocab_size
@@ -58,11 +56,3 @@ def plain_sampling(arrays: dict, num_logprobs: int) -> bool:
     sampling arrays: no min-p, no penalty block, no token mask, no logprob alternatives."""
     return arrays["min_p"] is None and arrays["penalties"] is None and arrays["allowed"] is None and num_logprobs == 0
 
-
-def guided_mask(arrays: dict, reqs: list, B: int, vocab_size: int) -> float:
-    """Put the guided rows' token masks into arrays["allowed"] (reqs: the request of each row that samples,
-    None for a row that does not); returns the seconds it took. Called after the step's program was
-    dispatched, so the masks are computed while the device runs the forward pass."""
-    t0 = time.perf_counter()
-    arrays["allowed"] = bitmask([None if r is None else r.guide for r in reqs], B, vocab_size)
-    return time.perf_counter() - t0 if arrays["allowed"] is not None else 0.0

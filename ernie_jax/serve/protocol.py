@@ -263,9 +263,10 @@ class ChatCompletionRequest(_Sampling):
     def to_params(self, defaults: dict[str, Any]) -> SamplingParams:
         mode = self.tool_mode()
         forced = tool_calls.constraint(self.tool_list(), mode, self.parallel_tool_calls) if mode is not None else None
-        if forced is not None and self.constraint() is not None:
+        own = self.constraint()
+        if forced is not None and own is not None:
             raise ProtocolError(f"tool_choice {self.tool_choice!r} forces a tool call; it cannot be combined with "
-                                f"{self.constraint().field}", param="tool_choice")
+                                f"{own.field}", param="tool_choice")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if max_tokens is not None and max_tokens < 1:
             raise ProtocolError("max_tokens must be at least 1", param="max_completion_tokens")
@@ -275,7 +276,7 @@ class ChatCompletionRequest(_Sampling):
             if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
                 raise ProtocolError(f"top_logprobs must be in [0, {MAX_LOGPROBS}]", param="top_logprobs")
         return self.sampling_params(defaults, max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
-                                    constraint=forced)
+                                    constraint=forced or own)
 
 
 class TokenizeRequest(_Body):

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 from ernie_jax.engine.policy import PDPolicy
-from ernie_jax.sim.cost import FittedCost, H200Cost
+from ernie_jax.sim.cost import FittedCost, H200Cost, feasible_splits
 from ernie_jax.sim.simulator import SimConfig, simulate
 from ernie_jax.sim.traces import TRACES, make_trace
 
@@ -70,23 +70,11 @@ def main(argv: list[str] | None = None) -> int:
                       f"| {util} | {switches} |")
             if args.splits:
                 best = max(((k, simulate(trace, cost, SimConfig("static", args.devices, k, **settings)))
-                            for k in _splits(cost, args.devices, settings["block_size"])),
+                            for k in feasible_splits(cost, args.devices, settings["block_size"])),
                            key=lambda kr: kr[1].goodput(ttft, tpot, span))
                 print(f"| {name} | {rate:g} | best static split {best[0]}:{args.devices - best[0]} | "
                       f"{best[1].goodput(ttft, tpot, span):.2f} | {best[1].attained(ttft, tpot):.0%} | | | | |")
     return 0
-
-
-def _splits(cost, devices: int, page_size: int) -> list[int]:
-    """Prefill device counts whose two submeshes the cost model can serve (H200: both hold the weights)."""
-    out = []
-    for k in range(1, devices):
-        try:
-            cost.pages(k, page_size), cost.pages(devices - k, page_size)
-        except ValueError:
-            continue
-        out.append(k)
-    return out
 
 
 if __name__ == "__main__":

@@ -240,3 +240,15 @@ class FittedCost:
         d["coefficients"] = {int(k): v for k, v in d["coefficients"].items()}
         d["num_pages"] = {int(k): v for k, v in d["num_pages"].items()}
         return cls(**d)
+
+
+def feasible_splits(cost: CostModel, devices: int, page_size: int) -> list[int]:
+    """Prefill device counts whose two submeshes the cost model can serve (H200: both hold the weights)."""
+    out = []
+    for k in range(1, devices):
+        try:
+            cost.pages(k, page_size), cost.pages(devices - k, page_size)
+        except ValueError:
+            continue
+        out.append(k)
+    return out

@@ -26,7 +26,7 @@ import sys
 import numpy as np
 
 from ernie_jax.engine.policy import PDPolicy
-from ernie_jax.sim.cost import FittedCost, H200Cost
+from ernie_jax.sim.cost import FittedCost, H200Cost, feasible_splits
 from ernie_jax.sim.simulator import SimConfig, simulate
 from ernie_jax.sim.traces import TRACES, make_trace
 
@@ -46,12 +46,7 @@ class Mode:
 
 def modes(cost, devices: int, page_size: int) -> list[Mode]:
     out = [Mode("colocated", "colocated")]
-    for k in range(1, devices):
-        try:
-            cost.pages(k, page_size), cost.pages(devices - k, page_size)
-        except ValueError:  # a submesh that cannot hold the weights
-            continue
-        out.append(Mode(f"static {k}:{devices - k}", "static", k))
+    out += [Mode(f"static {k}:{devices - k}", "static", k) for k in feasible_splits(cost, devices, page_size)]
     half = devices // 2
     out.append(Mode(f"dynamic {half}:{devices - half}", "dynamic", half))
     out.append(Mode(f"dynamic+SLO {half}:{devices - half}", "dynamic", half, targets=True))

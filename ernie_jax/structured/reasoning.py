@@ -8,6 +8,8 @@ reasoning too, as vLLM's parser reads it. Leading newlines of the answer are dro
 
 from __future__ import annotations
 
+from ernie_jax.structured.tools import partial_suffix
+
 START, END = "<think>", "</think>"
 PARSERS = ("ernie45",)
 
@@ -46,7 +48,6 @@ class StreamSplitter:
             self.answering, self.buffer = True, ""
             _, content = self.feed(rest, final)
             return reasoning, content
-        keep = 0 if final else next((n for n in range(min(len(self.buffer), len(END) - 1), 0, -1)
-                                     if self.buffer.endswith(END[:n])), 0)
+        keep = 0 if final else partial_suffix(self.buffer, END)
         reasoning, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
         return reasoning, ""

@@ -170,7 +170,7 @@ class StreamParser:
         while True:
             start = self.buffer.find(CALL_START)
             if start < 0:
-                keep = 0 if final else _partial_suffix(self.buffer, CALL_START)
+                keep = 0 if final else partial_suffix(self.buffer, CALL_START)
                 while not final and keep < len(self.buffer) and self.buffer[-keep - 1] == "\n":
                     keep += 1  # newlines before a call are not content
                 head = self.buffer[:len(self.buffer) - keep]
@@ -196,8 +196,9 @@ class StreamParser:
         return content, calls
 
 
-def _partial_suffix(text: str, token: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of token."""
+def partial_suffix(text: str, token: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of token: what a stream parser holds back
+    until the next delta says whether the token starts there."""
     for n in range(min(len(text), len(token) - 1), 0, -1):
         if text.endswith(token[:n]):
             return n
