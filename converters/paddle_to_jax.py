@@ -4,7 +4,8 @@
     python -m converters.paddle_to_jax --src ERNIE-4.5-300B-A47B-FP8-Paddle --dry-run
 
 --dtype bf16|fp8 chooses the stored precision of the linears (default: as the source stores them; fp8 of a
-BF16 source quantizes 128x128 blocks, bf16 of an FP8 source dequantizes). Peak memory stays near the
+BF16 source quantizes 128x128 blocks, bf16 of an FP8 or integer source dequantizes; an integer source, from
+converters.quantize_int, otherwise stays integer). Peak memory stays near the
 largest single tensor. The output is written as DST.partial and renamed only when complete, so an
 interrupted run leaves nothing that passes as a checkpoint. `load_pretrained(DST)` and `LLM(DST)` load it.
 
@@ -33,7 +34,7 @@ from ernie_jax.checkpoint.plan import CheckpointPlan
 from ernie_jax.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint
 from ernie_jax.config import ConfigError, ErnieConfig
 from ernie_jax.model.weights import QUANTIZABLE
-from ernie_jax.quant import BlockFP8, dequantize, quantize_block_fp8
+from ernie_jax.quant import BlockFP8, IntWeight, dequantize, dequantize_int, quantize_block_fp8
 
 _ITEMSIZE = {"float": 2, "fp8": 1, "scale": 4}
 
@@ -89,8 +90,11 @@ def convert(src: str, dst: str, dtype: str | None = None, quiet: bool = False) -
     cfg = ErnieConfig.from_pretrained(src)
     plan = CheckpointPlan(src, cfg)
     plan.validate()
-    src_fp8 = any(storage == "fp8" for t in plan.tasks for _, _, storage, _ in plan.keys_of(t))
-    dtype = dtype or ("fp8" if src_fp8 else "bf16")
+    stored = {storage for t in plan.tasks for _, _, storage, _ in plan.keys_of(t)}
+    dtype = dtype or ("fp8" if "fp8" in stored else "int" if "int" in stored else "bf16")
+    if dtype == "fp8" and "int" in stored:
+        raise CheckpointError(f"{src}: an integer checkpoint cannot be re-quantized to fp8; convert it as stored "
+                              "(no --dtype) or dequantized (--dtype bf16)")
     tmp = dst.rstrip("/") + ".partial"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -106,6 +110,8 @@ def convert(src: str, dst: str, dtype: str | None = None, quiet: bool = False) -
             value = BlockFP8(np.asarray(q.values), np.asarray(q.scales), block=q.block)
         elif dtype == "bf16" and isinstance(value, BlockFP8):
             value = np.asarray(dequantize(value, jnp.bfloat16))
+        elif dtype == "bf16" and isinstance(value, IntWeight):
+            value = np.asarray(dequantize_int(value, jnp.bfloat16))
         writer.add(task.path, value)
         if progress:
             progress.update(sum(plan.ckpt.info(k).nbytes for k, _, _, _ in plan.keys_of(task) if k in plan.ckpt))
@@ -117,7 +123,7 @@ def convert(src: str, dst: str, dtype: str | None = None, quiet: bool = False) -
     config["num_nextn_predict_layers"] = plan.cfg.num_nextn_predict_layers
     if dtype == "fp8":
         config["quantization_config"] = config.get("quantization_config") or dict(QUANT_CONFIG)
-    else:
+    elif dtype != "int":  # an integer checkpoint keeps its quantization_config
         config.pop("quantization_config", None)
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(config, f, indent=2)

@@ -17,9 +17,15 @@ class ConfigError(ValueError):
     """A config.json (or preset, or keyword) that cannot describe a valid ERNIE-4.5 MoE model."""
 
 
+# What `--quantization` takes (FastDeploy's names): block_wise_fp8 as "fp8", weight-only int8 / int4, W4A8 experts.
+QUANTIZATION_SCHEMES = ("fp8", "wint8", "wint4", "w4a8")
+
+
 @dataclasses.dataclass(frozen=True)
 class QuantizationConfig:
-    """The Paddle FP8 release's `quantization_config` (FastDeploy semantics, spec section 1.3)."""
+    """A quantized checkpoint's `quantization_config`: the Paddle FP8 release's (FastDeploy semantics,
+    docs/model.md) or an integer one written by converters.quantize_int (dense/moe_quant_type "wint8",
+    "wint4" or "w4a8", and `weight_group_size`: -1 per output channel, else wint4's group along `in`)."""
 
     quantization: str = "mix_quant"
     dense_quant_type: str | None = None
@@ -27,6 +33,7 @@ class QuantizationConfig:
     kv_cache_quant_type: str | None = None
     is_quantized: bool = True
     weight_block_size: tuple[int, int] = (128, 128)
+    weight_group_size: int = -1
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "QuantizationConfig":
@@ -50,7 +57,12 @@ class QuantizationConfig:
             kv_cache_quant_type=d.get("kv_cache_quant_type"),
             is_quantized=is_quantized,
             weight_block_size=block,  # type: ignore[arg-type]
+            weight_group_size=int(d.get("weight_group_size", -1)),
         )
+
+    def scheme_of(self, experts: bool) -> str | None:
+        """The quant type of the routed experts' (experts=True) or the other linears' stored weights."""
+        return self.moe_quant_type if experts else self.dense_quant_type
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,6 +263,8 @@ class ErnieConfig:
             d.pop("quantization_config")
         else:
             d["quantization_config"]["weight_block_size"] = list(self.quantization_config.weight_block_size)
+            if self.quantization_config.weight_group_size == -1:
+                d["quantization_config"].pop("weight_group_size")
         d["architectures"] = ["Ernie4_5_MoeForCausalLM"]
         d["model_type"] = "ernie4_5_moe"
         return d

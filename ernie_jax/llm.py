@@ -78,7 +78,8 @@ class LLM:
         elif isinstance(model, str) and os.path.isdir(model):
             from ernie_jax.checkpoint import read_pretrained
             # Host memory first: under a mesh each tensor then goes straight onto its shards, per submesh.
-            cfg, weights = read_pretrained(model, jdtype, quantization=load.quantization, fp8_compute=load.fp8_compute)
+            cfg, weights = read_pretrained(model, jdtype, quantization=load.quantization, fp8_compute=load.fp8_compute,
+                                           quant_group_size=load.quant_group_size)
             given = None
             self.tokenizer = Tokenizer.from_pretrained(model)
             gen_file = os.path.join(model, "generation_config.json")

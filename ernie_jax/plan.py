@@ -1,6 +1,6 @@
 """Memory plan: compile the engine's own paged prefill and decode programs of a config from abstract shapes.
 
-    python -m ernie_jax.plan --model ernie-4.5-300b-a47b --quantization fp8 --mesh 8 \\
+    python -m ernie_jax.plan --model ernie-4.5-300b-a47b --quantization fp8|wint8|wint4|w4a8 --mesh 8 \\
         [--prefill-devices 4 --decode-devices 4] [--max-num-seqs 32 --max-model-len 32768] [--json]
 
 Nothing is allocated: weights (the MTP block included), the KV page pool and inputs are ShapeDtypeStructs
@@ -27,12 +27,14 @@ import os
 import sys
 import time
 
+from ernie_jax.config import QUANTIZATION_SCHEMES
+
 GPUS = {"H200": 141e9, "H100": 80e9}
 UTILIZATION = 0.9  # vLLM's default --gpu-memory-utilization
 
 
 def plan_program(cfg, devices, mesh_spec, *, quantization, kv_cache_dtype, batch, tokens, num_pages, page_size,
-                 max_pages, rules="tp_ep", kind="step", k=0) -> dict:
+                 max_pages, rules="tp_ep", kind="step", k=0, group=-1) -> dict:
     """kind: step_program's ("step", or "spec_prefill" / "verify" with k MTP drafts: the pool then holds the
     MTP block's KV, and a verify step is `tokens` = k + 1 per sequence)."""
     import jax
@@ -49,7 +51,7 @@ def plan_program(cfg, devices, mesh_spec, *, quantization, kv_cache_dtype, batch
     plan = ShardingPlan.create(make_mesh(mesh_spec, devices), rules)
     ex = ExecutionConfig.select(Platform("gpu", (9, 0)), "xla")
     replicated = NamedSharding(plan.mesh, P())
-    weights = abstract_weights(cfg, jnp.bfloat16, quantization)
+    weights = abstract_weights(cfg, jnp.bfloat16, quantization, group)
     w_shard = plan.shardings(weights)
     weights = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), weights, w_shard)
     w_bytes = abstract_device_bytes(weights, w_shard)  # the MTP block included: it is resident
@@ -98,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ernie_jax.plan", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="ernie-4.5-300b-a47b", help="preset name or checkpoint folder")
-    ap.add_argument("--quantization", choices=["fp8"], default=None)
+    ap.add_argument("--quantization", choices=list(QUANTIZATION_SCHEMES), default=None,
+                    help="weights as `serve --quantization` makes them (default: bf16)")
+    ap.add_argument("--quant-group-size", type=int, default=-1, help="wint4's scale groups (-1: per channel)")
     ap.add_argument("--kv-cache-dtype", choices=["bfloat16", "fp8"], default="bfloat16")
     ap.add_argument("--mesh", default="8", help="device count or 'data=..,expert=..,tensor=..'")
     ap.add_argument("--prefill-devices", type=int, default=None)
@@ -145,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     page = args.block_size
     from ernie_jax.engine.shapes import table_pages
     decode_pool = args.max_num_seqs * table_pages(args.max_model_len, page) + 1  # the Engine's rule (no memory limit)
-    common = dict(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, rules=args.sharding,
+    common = dict(quantization=args.quantization, group=args.quant_group_size, kv_cache_dtype=args.kv_cache_dtype,
+                  rules=args.sharding,
                   page_size=page, max_pages=table_pages(args.max_model_len, page, k), k=k)
     prefill_devs = devices[:p_dev]
     decode_devs = devices[p_dev:p_dev + d_dev] if disagg else devices
@@ -166,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"{args.model} ({args.quantization or 'bf16'} weights, {args.kv_cache_dtype} KV), "
+    scheme = args.quantization or "bf16"
+    scheme += f" (groups of {args.quant_group_size})" if args.quant_group_size != -1 else ""
+    print(f"{args.model} ({scheme} weights, {args.kv_cache_dtype} KV), "
           f"{'disaggregated' if disagg else 'colocated'} on {n} devices"
           f"{f', MTP with {k} draft tokens' if k else ''}; ops: {report['decode']['execution']}")
     if args.num_processes > 1:

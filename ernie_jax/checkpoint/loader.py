@@ -21,7 +21,7 @@ from ernie_jax.checkpoint.plan import CheckpointPlan, stack
 from ernie_jax.checkpoint.safetensors_io import CheckpointError
 from ernie_jax.config import ErnieConfig
 from ernie_jax.model.weights import F32_LEAVES, quantize_weights
-from ernie_jax.quant import COMPUTE_MODES, BlockFP8
+from ernie_jax.quant import COMPUTE_MODES, SCHEMES, BlockFP8, check_group, is_quantized
 
 
 def _host_dtype(dtype) -> np.dtype:
@@ -29,11 +29,17 @@ def _host_dtype(dtype) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else np.dtype(jnp.dtype(dtype).name)
 
 
-def read_weights(path: str, cfg: ErnieConfig, dtype=jnp.bfloat16) -> tuple[dict[str, Any], ErnieConfig]:
+def read_weights(path: str, cfg: ErnieConfig, dtype=jnp.bfloat16, quantization: str | None = None
+                 ) -> tuple[dict[str, Any], ErnieConfig]:
     """Host (numpy) weights pytree of a safetensors checkpoint, and its config (MTP switched on or off by
-    what the files carry). Everything is validated from the headers before any data is read."""
+    what the files carry). Everything is validated from the headers before any data is read, including
+    that a load-time `quantization` has a BF16 checkpoint to quantize."""
     plan = CheckpointPlan(path, cfg)
     plan.validate()
+    stored = [(key, storage) for task in plan.tasks for key, _, storage, _ in plan.keys_of(task)
+              if storage in ("fp8", "int")]
+    if stored:
+        _refuse_requantizing(path, quantization, "fp8" if stored[0][1] == "fp8" else "integer", stored[0][0])
     np_dtype = _host_dtype(dtype)
     flat = {task.path: plan.read(task, np_dtype) for task in plan.tasks}
     return assemble(flat, plan.cfg), plan.cfg
@@ -67,22 +73,26 @@ def assemble(flat: dict[tuple, Any], cfg: ErnieConfig) -> dict[str, Any]:
 
 
 def load_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *, quantization: str | None = None,
-                    fp8_compute: str = "w8a8", mesh=None, sharding: str | dict = "tp_ep", kernels: str = "auto"):
+                    fp8_compute: str = "w8a8", quant_group_size: int = -1, mesh=None, sharding: str | dict = "tp_ep",
+                    kernels: str = "auto"):
     """Load an ERNIE-4.5 MoE checkpoint folder (Paddle release or HF layout, one file or sharded, or an
     ernie_jax Orbax checkpoint written by converters.paddle_to_jax).
 
     dtype: the activation and floating-point weight dtype (bf16 default; f32 for exact parity checks). The
     router and its correction bias are always f32.
-    quantization: None keeps the checkpoint's weights as stored (an FP8 release stays FP8); "fp8"
-    block-quantizes a BF16 checkpoint's linears at load time.
-    fp8_compute: numerics of the FP8 linears, "w8a8" (default, FastDeploy's) or "weight_only" (see quant.py).
+    quantization: None keeps the checkpoint's weights as stored (an FP8 or integer checkpoint stays so); "fp8"
+    block-quantizes a BF16 checkpoint's linears at load time, "wint8" / "wint4" / "w4a8" quantize them to
+    integers (quant/int_weights.py; model.weights.int_format says which leaf takes what).
+    fp8_compute: numerics of the FP8 linears, "w8a8" (default, FastDeploy's) or "weight_only" (quant/block_fp8.py).
+    quant_group_size: wint4's scales, -1 per output channel (default, FastDeploy's) or a group size along `in`.
     mesh: a jax Mesh, or a spec for sharding.make_mesh (8, "data=1,expert=4,tensor=2"); each tensor then goes
     from host memory straight to its shards under the `sharding` rules (a preset name or a rules table).
     kernels: "auto" | "pallas" | "xla", how the ops' implementations are chosen (ops/execution.py).
     """
     from ernie_jax.model.ernie import ErnieForCausalLM
 
-    cfg, weights = read_pretrained(path, dtype, quantization=quantization, fp8_compute=fp8_compute)
+    cfg, weights = read_pretrained(path, dtype, quantization=quantization, fp8_compute=fp8_compute,
+                                   quant_group_size=quant_group_size)
     if mesh is None:
         return ErnieForCausalLM.from_host(cfg, weights, dtype, kernels=kernels)
     from ernie_jax.sharding import ShardingPlan, make_mesh
@@ -91,26 +101,46 @@ def load_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *, quantization
 
 
 def read_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *, quantization: str | None = None,
-                    fp8_compute: str = "w8a8") -> tuple[ErnieConfig, dict[str, Any]]:
+                    fp8_compute: str = "w8a8", quant_group_size: int = -1) -> tuple[ErnieConfig, dict[str, Any]]:
     """A checkpoint folder's config and weights pytree in host memory (numpy), converted as load_pretrained
     describes but not yet on any device: the caller places it, e.g. once per submesh."""
-    if quantization not in (None, "fp8"):
-        raise ValueError(f"quantization={quantization!r}: expected None or 'fp8'")
+    if quantization not in (None, *SCHEMES):
+        raise ValueError(f"quantization={quantization!r}: expected None or one of {SCHEMES}")
     if fp8_compute not in COMPUTE_MODES:
         raise ValueError(f"fp8_compute={fp8_compute!r}: expected one of {COMPUTE_MODES}")
+    if quant_group_size != -1:
+        if quantization != "wint4":
+            raise ValueError(f"quant_group_size={quant_group_size}: group-wise scales apply to wint4 only")
+        check_group(4, quant_group_size)
     path = os.fspath(path)
     cfg = ErnieConfig.from_pretrained(path)
     if is_orbax_checkpoint(path):
         np_dtype = _host_dtype(dtype)
-        keep = lambda p, v: isinstance(v, BlockFP8) or p[-1] in F32_LEAVES  # noqa: E731
+        keep = lambda p, v: is_quantized(v) or p[-1] in F32_LEAVES  # noqa: E731
         flat = {p: v if keep(p, v) else v.astype(np_dtype) for p, v in read_flat(path).items()}
         weights = assemble(flat, cfg)
+        if _stored(weights):
+            example = next("/".join(map(str, p)) for p, v in flat.items() if is_quantized(v))
+            _refuse_requantizing(path, quantization, _stored(weights), example)
     else:
-        weights, cfg = read_weights(path, cfg, dtype)
-    if quantization == "fp8" or _has_fp8(weights):
-        weights = quantize_weights(weights, fp8_compute)
+        weights, cfg = read_weights(path, cfg, dtype, quantization)
+    if quantization is not None or _stored(weights) == "fp8":
+        weights = quantize_weights(weights, fp8_compute, quantization or "fp8", quant_group_size)
     return cfg, weights
 
 
-def _has_fp8(weights) -> bool:
-    return any(isinstance(x, BlockFP8) for x in jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, BlockFP8)))
+def _refuse_requantizing(path: str, quantization: str | None, stored: str, example: str) -> None:
+    """A load-time quantization takes a BF16 checkpoint (fp8 of an FP8 release only sets its compute mode)."""
+    if quantization is None or quantization == stored:
+        return
+    raise CheckpointError(f"{path}: --quantization {quantization} quantizes a BF16 checkpoint, but this one is "
+                          f"already quantized ({stored}, e.g. tensor {example!r}); serve it as stored (no "
+                          "--quantization)")
+
+
+def _stored(weights) -> str | None:
+    """"fp8" or "integer" for weights read quantized, None for floating-point ones."""
+    for x in jax.tree.leaves(weights, is_leaf=is_quantized):
+        if is_quantized(x):
+            return "fp8" if isinstance(x, BlockFP8) else "integer"
+    return None

@@ -2,7 +2,8 @@
 
 Folder: `config.json` (+ generation config, tokenizer files), `ernie_jax_checkpoint.json` (format marker,
 written last) and `state/` (Orbax). The tree mirrors CheckpointPlan task paths, e.g.
-`layers/17/experts_up_gate/5` with a BlockFP8 stored as {values, scales}: one stored tensor per stored
+`layers/17/experts_up_gate/5` with a BlockFP8 stored as {values, scales} and an IntWeight as {int_values,
+scales, int_format} (int_format: bits, group, rows and the compute mode's index): one stored tensor per stored
 source tensor, so a converter holds one tensor at a time (Orbax partial saves) and a sharded restore can
 read only what each device owns.
 """
@@ -16,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ernie_jax.checkpoint.safetensors_io import CheckpointError
-from ernie_jax.quant import BlockFP8
+from ernie_jax.quant import INT_COMPUTE, BlockFP8, IntWeight
 
 MARKER = "ernie_jax_checkpoint.json"
 FORMAT = "ernie_jax-orbax"
@@ -40,14 +41,19 @@ class OrbaxWriter:
         self._batch: dict = {}
         self._bytes = 0
 
-    def add(self, path: tuple, value: np.ndarray | BlockFP8) -> None:
+    def add(self, path: tuple, value: np.ndarray | BlockFP8 | IntWeight) -> None:
         node = self._batch
         for key in path[:-1]:
             node = node.setdefault(str(key), {})
         if isinstance(value, BlockFP8):
             value = value.relayout(False)  # saved in the checkpoint's [in, out] orientation
-        node[str(path[-1])] = {"values": value.values, "scales": value.scales} if isinstance(value, BlockFP8) \
-            else value
+        if isinstance(value, BlockFP8):
+            node[str(path[-1])] = {"values": value.values, "scales": value.scales}
+        elif isinstance(value, IntWeight):
+            fmt = np.array([value.bits, value.group, value.rows, INT_COMPUTE.index(value.compute)], np.int32)
+            node[str(path[-1])] = {"int_values": value.values, "scales": value.scales, "int_format": fmt}
+        else:
+            node[str(path[-1])] = value
         self._bytes += value.nbytes
         if self._bytes >= self.batch_bytes:
             self.flush()
@@ -67,8 +73,8 @@ def write_marker(folder: str, **info) -> None:
         json.dump({"format": FORMAT, "version": VERSION, **info}, f, indent=2)
 
 
-def read_flat(folder: str) -> dict[tuple, np.ndarray | BlockFP8]:
-    """All tensors keyed by task path (ints restored), BlockFP8 rebuilt from {values, scales}."""
+def read_flat(folder: str) -> dict[tuple, np.ndarray | BlockFP8 | IntWeight]:
+    """All tensors keyed by task path (ints restored), BlockFP8 and IntWeight rebuilt."""
     with open(os.path.join(folder, MARKER)) as f:
         marker = json.load(f)
     if marker.get("format") != FORMAT or marker.get("version") != VERSION:
@@ -85,6 +91,10 @@ def read_flat(folder: str) -> dict[tuple, np.ndarray | BlockFP8]:
     def walk(node, path):
         if isinstance(node, dict) and set(node) == {"values", "scales"}:
             flat[path] = BlockFP8(np.asarray(node["values"]), np.asarray(node["scales"]), block=block)
+        elif isinstance(node, dict) and set(node) == {"int_values", "scales", "int_format"}:
+            bits, group, rows, compute = (int(v) for v in np.asarray(node["int_format"]))
+            flat[path] = IntWeight(np.asarray(node["int_values"]), np.asarray(node["scales"]), bits, group, rows,
+                                   INT_COMPUTE[compute])
         elif isinstance(node, dict):
             for k, v in node.items():
                 walk(v, path + (int(k) if k.isdigit() else k,))

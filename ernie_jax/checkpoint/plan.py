@@ -3,8 +3,8 @@
 The plan walks the layout tables (layouts.py) for a config and lists one `TensorTask` per weight (one per
 expert for expert weights, so streaming converters never hold a whole expert stack). `validate()` checks
 names, shapes and storage dtypes from the safetensors headers alone and raises one `CheckpointError`
-naming the tensor and file; `read(task)` then returns the tensor (numpy, or `BlockFP8` for the FP8
-release's `quant_weight` + `weight_scale` pairs). Loading, converting and `--dry-run` reports all use it.
+naming the tensor and file; `read(task)` then returns the tensor (numpy, `BlockFP8` for the FP8 release's
+`quant_weight` + `weight_scale` pairs, or `IntWeight` for an integer checkpoint's, converters.quantize_int). Loading, converting and `--dry-run` reports all use it.
 """
 
 from __future__ import annotations
@@ -19,11 +19,13 @@ import numpy as np
 from ernie_jax.checkpoint.layouts import DIM_MEANING, Layout, OneOf, Recipe, Src, detect_layout, dims
 from ernie_jax.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint
 from ernie_jax.config import ErnieConfig
-from ernie_jax.model.weights import F32_LEAVES, QUANTIZABLE, layer_shapes
-from ernie_jax.quant import FP8_MAX, BlockFP8, scale_shape
+from ernie_jax.model.weights import EXPERT_LEAVES, F32_LEAVES, QUANTIZABLE, int_format, layer_shapes
+from ernie_jax.quant import FP8_MAX, BlockFP8, IntWeight, packed_rows, scale_rows, scale_shape
 
 FLOAT_STORAGE = {"F32", "BF16", "U16", "F16", "F64"}
 FP8_STORAGE = {"I8", "U8", "F8_E4M3"}
+INT_STORAGE = {"I8"}
+INT_SCHEMES = ("wint8", "wint4", "w4a8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,19 +129,44 @@ class CheckpointPlan:
     # ---- names, shapes and dtypes -----------------------------------------------------------------------
     def keys_of(self, task: TensorTask) -> list[tuple[str, tuple[int, ...], str, Src]]:
         """(stored name, expected shape, storage class, source) of each tensor the task reads; storage class is
-        "float", "fp8" or "scale". A quantizable weight is read as FP8 when its quant_weight is present."""
+        "float", "fp8", "int" or "scale". A quantizable weight is read quantized when its quant_weight is
+        present, as the config's quantization_config says (block FP8, or integers)."""
         out = []
         for s in _srcs(task.recipe):
             key = task.prefix + s.key.format(e=task.expert)
             shape = tuple(self.dims[d] for d in s.shape)
             qkey = key[: -len(".weight")] + ".quant_weight"
+            skey = key[: -len(".weight")] + ".weight_scale"
             if key.endswith(".weight") and qkey in self.ckpt:
-                block = self._block(qkey)
-                out += [(qkey, shape, "fp8", s),
-                        (key[: -len(".weight")] + ".weight_scale", scale_shape(shape, block), "scale", s)]
+                fmt = self._int_format(qkey, task.leaf)
+                if fmt is None:
+                    block = self._block(qkey)
+                    out += [(qkey, shape, "fp8", s), (skey, scale_shape(shape, block), "scale", s)]
+                else:
+                    bits, group, _ = fmt
+                    *lead, K, N = shape
+                    out += [(qkey, (*lead, packed_rows(K, bits), N), "int", s),
+                            (skey, (*lead, scale_rows(K, group), N), "scale", s)]
             else:
                 out.append((key, shape, "float", s))
         return out
+
+    def _int_format(self, qkey: str, leaf: str) -> tuple[int, int, str] | None:
+        """(bits, group, compute) when the config says `leaf` is stored as integers, None for block FP8."""
+        qc = self.cfg.quantization_config
+        if qc is None:
+            return None  # _block names the missing quantization_config
+        field = "moe_quant_type" if leaf in EXPERT_LEAVES else "dense_quant_type"
+        scheme = qc.scheme_of(leaf in EXPERT_LEAVES)
+        if scheme in INT_SCHEMES:
+            try:
+                return int_format(scheme, leaf, qc.weight_group_size)
+            except ValueError as e:
+                raise CheckpointError(f"{self.path}: quantization_config: {e}") from None
+        if scheme not in (None, "block_wise_fp8"):
+            raise CheckpointError(f"{self.path}: quantization_config.{field} {scheme!r} (for {qkey!r}) is not a "
+                                  f"stored format ernie_jax reads: block_wise_fp8 or one of {list(INT_SCHEMES)}")
+        return None
 
     def _block(self, qkey: str) -> int:
         qc = self.cfg.quantization_config
@@ -162,21 +189,24 @@ class CheckpointPlan:
                     continue
                 if key not in self.ckpt:
                     raise CheckpointError(f"missing tensor {key!r} in checkpoint {self.path}")
-                if storage == "fp8" and (task.leaf not in QUANTIZABLE or src.transpose):
-                    raise CheckpointError(f"tensor {key!r} is block-quantized, but {task.leaf!r} weights are never "
-                                          "quantized in the FP8 release")
+                if storage in ("fp8", "int") and (task.leaf not in QUANTIZABLE or src.transpose):
+                    raise CheckpointError(f"tensor {key!r} is quantized, but {task.leaf!r} weights are never "
+                                          "quantized (embeddings, norms, the router and the LM head stay)")
                 info = self.ckpt.info(key)
                 if info is None:  # index-only dry run: names are all we have
                     continue
                 squeezed = src.squeeze and info.shape == shape[1:]  # a [1,E] bias stored as [E]
                 if info.shape != shape and not squeezed:
                     meaning = ", ".join(DIM_MEANING[d] for d in src.shape) if storage == "float" \
-                        else f"one f32 scale per block of {task.leaf}" if storage == "scale" else task.leaf
+                        else f"the f32 scales of {task.leaf}" if storage == "scale" \
+                        else f"{task.leaf}'s integers, 4-bit ones two per byte along `in`" if storage == "int" \
+                        else task.leaf
                     raise CheckpointError(f"tensor {key!r} in {info.file} has shape {list(info.shape)}, expected "
                                           f"{list(shape)} ({meaning})")
-                allowed = FP8_STORAGE if storage == "fp8" else FLOAT_STORAGE
+                allowed = {"fp8": FP8_STORAGE, "int": INT_STORAGE}.get(storage, FLOAT_STORAGE)
                 if info.dtype not in allowed:
                     what = "a quant_weight must hold float8 e4m3fn bits" if storage == "fp8" else \
+                        "an integer quant_weight must be int8" if storage == "int" else \
                         "weight_scale must be F32" if storage == "scale" else "a floating-point weight was expected"
                     raise CheckpointError(f"tensor {key!r} in {info.file} is stored as {info.dtype}; {what} "
                                           f"({'/'.join(sorted(allowed))})")
@@ -193,8 +223,8 @@ class CheckpointPlan:
                                   "same model")
 
     # ---- reading ----------------------------------------------------------------------------------------
-    def read(self, task: TensorTask, dtype) -> np.ndarray | BlockFP8:
-        """The task's tensor: numpy in `dtype` (f32 for router and scales), or BlockFP8 as stored."""
+    def read(self, task: TensorTask, dtype) -> np.ndarray | BlockFP8 | IntWeight:
+        """The task's tensor: numpy in `dtype` (f32 for router and scales), or BlockFP8 / IntWeight as stored."""
         dtype = np.float32 if task.leaf in F32_LEAVES else dtype
         if task.leaf in ("k_scale", "v_scale"):
             key = task.prefix + task.recipe.key
@@ -209,6 +239,14 @@ class CheckpointPlan:
                 skey = key[: -len(".quant_weight")] + ".weight_scale"
                 return BlockFP8(np.asarray(self.ckpt.read(key)), np.asarray(self.ckpt.read(skey), np.float32),
                                 block=self._block(key))
+            if storage == "int":
+                skey = key[: -len(".quant_weight")] + ".weight_scale"
+                bits, group, compute = self._int_format(key, task.leaf)
+                rows = self.dims[src.shape[-2]]
+                # I8 tensors read as e4m3fn bit patterns (the FP8 release's convention): view the bits as int8.
+                values = np.asarray(self.ckpt.read(key)).view(np.int8)
+                return IntWeight(values, np.asarray(self.ckpt.read(skey), np.float32),
+                                 bits, group, rows, compute)
             arr = self.ckpt.read(key)
             if src.squeeze:
                 arr = arr.reshape(arr.shape[-1:])
@@ -239,13 +277,14 @@ def _read_kv_scale_json(path: str, cfg: ErnieConfig) -> dict[str, np.ndarray]:
     return out
 
 
-def stack(items: list) -> np.ndarray | BlockFP8:
-    """np.stack that also stacks BlockFP8 leaves (values and scales separately)."""
-    kinds = {isinstance(i, BlockFP8) for i in items}
+def stack(items: list) -> np.ndarray | BlockFP8 | IntWeight:
+    """np.stack that also stacks BlockFP8 and IntWeight leaves (values and scales separately)."""
+    kinds = {type(i) if isinstance(i, (BlockFP8, IntWeight)) else np.ndarray for i in items}
     if len(kinds) > 1:
-        raise CheckpointError("a stacked weight mixes block-FP8 and floating-point tensors (some layers or experts "
+        raise CheckpointError("a stacked weight mixes quantized and floating-point tensors (some layers or experts "
                               "quantized, others not)")
-    if kinds == {True}:
-        return BlockFP8(np.stack([i.values for i in items]), np.stack([i.scales for i in items]),
-                        block=items[0].block)
+    first = items[0]
+    if isinstance(first, (BlockFP8, IntWeight)):
+        return dataclasses.replace(first, values=np.stack([i.values for i in items]),
+                                   scales=np.stack([i.scales for i in items]))
     return np.stack(items)

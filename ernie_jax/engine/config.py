@@ -13,6 +13,7 @@ from typing import Any
 from ernie_jax.engine.expert_balance import EPLBConfig
 from ernie_jax.engine.policy import PDPolicy
 from ernie_jax.engine.speculative import SpeculativeConfig
+from ernie_jax.quant import SCHEMES, check_group
 
 DTYPES = ("bfloat16", "bf16", "float32", "fp32")
 KERNELS = ("auto", "pallas", "xla")
@@ -23,8 +24,9 @@ SHARDINGS = ("tp_ep", "tp", "dp_attn_ep")
 class LoadConfig:
     """How the weights are read, placed and compiled."""
     dtype: str = "bfloat16"  # the activations' and unquantized weights' dtype
-    quantization: str | None = None  # "fp8": quantize a BF16 checkpoint to block FP8 at load
-    fp8_compute: str = "w8a8"  # block-FP8 linears: "w8a8" (FP8 activations) or "w8a16"
+    quantization: str | None = None  # quantize a BF16 checkpoint at load: "fp8", "wint8", "wint4" or "w4a8"
+    fp8_compute: str = "w8a8"  # block-FP8 linears: "w8a8" (FP8 activations) or "weight_only"
+    quant_group_size: int = -1  # wint4's scales: -1 per output channel (FastDeploy's), or a group along `in`
     seed: int = 0  # random weights of a preset, and the seeds of unseeded requests
     kernels: str = "auto"  # ops/execution.py: "auto", "pallas" or "xla"
     compilation_cache_dir: str | None = "~/.cache/ernie_jax/xla"  # JAX's persistent cache (None: off)
@@ -95,6 +97,13 @@ class EngineConfig:
         s, c, load = self.scheduler, self.cache, self.load
         if load.dtype not in DTYPES:
             raise ValueError(f"dtype {load.dtype!r} is not one of {list(DTYPES)}")
+        if load.quantization is not None and load.quantization not in SCHEMES:
+            raise ValueError(f"quantization {load.quantization!r} is not one of {list(SCHEMES)}")
+        if load.quant_group_size != -1:
+            if load.quantization != "wint4":
+                raise ValueError(f"quant_group_size={load.quant_group_size}: group-wise scales apply to "
+                                 f"quantization='wint4' only (quantization is {load.quantization!r})")
+            check_group(4, load.quant_group_size)
         if load.kernels not in KERNELS:
             raise ValueError(f"kernels {load.kernels!r} is not one of {list(KERNELS)}")
         if self.parallel.sharding not in SHARDINGS:

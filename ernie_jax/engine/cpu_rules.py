@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from ernie_jax.model.ernie import ErnieForCausalLM
 from ernie_jax.model.weights import QUANTIZABLE
-from ernie_jax.quant import BlockFP8
+from ernie_jax.quant import IntWeight, is_quantized
 
 
 def platform(model: ErnieForCausalLM) -> str:
@@ -29,13 +29,15 @@ def min_decode_rows(model: ErnieForCausalLM) -> int:
     that converts the weight to f32 on every call (a two-row step is ten times faster than a one-row one:
     benchmarks/RESULTS.md, "CPU measurements behind design choices"), so there a lone sequence decodes
     beside a padding row. Block-FP8 and f32
-    linears do not take that fallback."""
+    linears do not take that fallback; integer weights are multiplied in the activation dtype, so a bf16
+    model's take it like plain bf16 ones."""
     if platform(model) != "cpu":
         return 1
     w = model.weights()
     head = w["lm_head"] if w.get("lm_head") is not None else w["embed"]
     plain_bf16 = [a for seg in w["segments"] for name, a in seg.items()
-                  if name in QUANTIZABLE and not isinstance(a, BlockFP8) and a.dtype == jnp.bfloat16]
+                  if name in QUANTIZABLE and (isinstance(a, IntWeight) and model.dtype == jnp.bfloat16
+                                               or not is_quantized(a) and a.dtype == jnp.bfloat16)]
     return 2 if plain_bf16 or head.dtype == jnp.bfloat16 else 1
 
 

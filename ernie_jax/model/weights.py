@@ -16,7 +16,8 @@ Owns the one canonical layout that loaders fill and the forward pass reads (a pl
         emb_norm [H]  hidden_norm [H]  proj [2H, H]  layer: one dense decoder layer (no L axis)
 
 Linears keep the Paddle [in, out] orientation so y = x @ W; fused columns are [Q|K|V] and [gate|up].
-In an FP8 model every QUANTIZABLE leaf is a quant.BlockFP8 (values and scales with the same leading axes).
+In a quantized model every QUANTIZABLE leaf is a quant.BlockFP8 ("fp8") or quant.IntWeight ("wint8", "wint4";
+"w4a8": W4A8 routed experts, wint8 elsewhere), values and scales with the same leading axes.
 Glossary: B batch, T tokens, H hidden, N query heads, K KV heads, D head dim, E experts, F FFN width,
 V vocab, L layers in a segment, P pages.
 """
@@ -32,7 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ernie_jax.config import ErnieConfig
-from ernie_jax.quant import FP8, BlockFP8, quantize_block_fp8, scale_shape
+from ernie_jax.quant import (FP8, SCHEMES, BlockFP8, IntWeight, is_quantized, packed_rows, quantize_block_fp8,
+                             quantize_int, scale_rows, scale_shape)
 
 # Kept in f32 whatever the model dtype: routing decisions must not change with the activation dtype.
 F32_LEAVES = frozenset({"router", "router_bias", "k_scale", "v_scale"})
@@ -94,18 +96,39 @@ def leaf_dtype(path_key: str, dtype) -> Any:
     return jnp.float32 if path_key in F32_LEAVES else dtype
 
 
-def abstract_weights(cfg: ErnieConfig, dtype=jnp.bfloat16, quantization: str | None = None) -> dict[str, Any]:
+def int_format(scheme: str, leaf: str, group: int = -1) -> tuple[int, int, str]:
+    """(bits, group size, compute) of QUANTIZABLE leaf `leaf` under integer scheme `scheme`. W4A8 is for the
+    routed experts (most of the bytes); the other linears take wint8, as FastDeploy's W4A8 deployments do."""
+    if scheme == "wint8":
+        return 8, -1, "weight_only"
+    if scheme == "wint4":
+        return 4, group, "weight_only"
+    if scheme == "w4a8":
+        return (4, -1, "w4a8") if leaf in EXPERT_LEAVES else (8, -1, "weight_only")
+    raise ValueError(f"quantization={scheme!r}: expected one of {SCHEMES}")
+
+
+def abstract_weights(cfg: ErnieConfig, dtype=jnp.bfloat16, quantization: str | None = None,
+                     group: int = -1) -> dict[str, Any]:
     """ShapeDtypeStructs for every leaf: for AOT compilation and memory plans without allocation."""
     def to_sds(path, shape):
         name = _last_key(path)
         if quantization == "fp8" and name in QUANTIZABLE:
             return BlockFP8(jax.ShapeDtypeStruct(shape, FP8), jax.ShapeDtypeStruct(scale_shape(shape), jnp.float32))
+        if quantization and name in QUANTIZABLE:
+            bits, g, compute = int_format(quantization, name, group)
+            *lead, K, N = shape
+            return IntWeight(jax.ShapeDtypeStruct((*lead, packed_rows(K, bits), N), jnp.int8),
+                             jax.ShapeDtypeStruct((*lead, scale_rows(K, g), N), jnp.float32), bits, g, K, compute)
         return jax.ShapeDtypeStruct(shape, leaf_dtype(name, dtype))
     return jax.tree_util.tree_map_with_path(to_sds, weight_shapes(cfg), is_leaf=_is_shape)
 
 
-def quantize_weights(weights: dict[str, Any], compute: str = "w8a8") -> dict[str, Any]:
-    """Block-FP8-quantize every QUANTIZABLE leaf (already-quantized leaves only get `compute` set)."""
+def quantize_weights(weights: dict[str, Any], compute: str = "w8a8", scheme: str = "fp8",
+                     group: int = -1) -> dict[str, Any]:
+    """Quantize every QUANTIZABLE leaf under `scheme` ("fp8": block FP8 with `compute`; "wint8", "wint4",
+    "w4a8": integer weights, int_format). Already block-FP8 leaves only get `compute` set; already-integer
+    leaves are kept as they are."""
     def walk(tree, name=""):
         if isinstance(tree, dict):
             return {k: walk(v, k) for k, v in tree.items()}
@@ -113,7 +136,11 @@ def quantize_weights(weights: dict[str, Any], compute: str = "w8a8") -> dict[str
             return [walk(v, name) for v in tree]
         if isinstance(tree, BlockFP8):
             return tree.with_compute(compute)
-        return quantize_block_fp8(tree, compute=compute) if name in QUANTIZABLE else tree
+        if isinstance(tree, IntWeight) or name not in QUANTIZABLE:
+            return tree
+        if scheme == "fp8":
+            return quantize_block_fp8(tree, compute=compute)
+        return quantize_int(tree, *int_format(scheme, name, group))
     return walk(weights)
 
 
@@ -218,7 +245,7 @@ def cpu_layout(weights: dict[str, Any], expert_groups: int = 1) -> dict[str, Any
 def _fp8_values_as_f32(weights: dict[str, Any]) -> dict[str, Any]:
     """weights with every BlockFP8's values converted to f32 on their devices (same shardings)."""
     is_fp8 = lambda x: isinstance(x, BlockFP8)  # noqa: E731
-    if not any(map(is_fp8, jax.tree.leaves(weights, is_leaf=is_fp8))):
+    if not any(map(is_fp8, jax.tree.leaves(weights, is_leaf=is_quantized))):
         return weights
     widen = lambda x: dataclasses.replace(x, values=x.values.astype(jnp.float32)) if is_fp8(x) else x  # noqa: E731
     shardings = jax.tree.map(lambda a: a.sharding, weights)

@@ -2,7 +2,8 @@
 
 A plain weight multiplies in the activation dtype with f32 accumulation; a block-FP8 weight (quant.BlockFP8)
 runs its own compute mode: "w8a8" through the block_fp8_matmul op (the implementation the execution config
-chose), "weight_only" through quant.fp8_linear. Weights are in the Paddle [in, out] orientation.
+chose), "weight_only" through quant.fp8_linear; an integer weight (quant.IntWeight: wint8, wint4, w4a8) through
+quant.int_linear. Weights are in the Paddle [in, out] orientation.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 
 from ernie_jax.ops.base import Platform
 from ernie_jax.ops.block_fp8_matmul import block_fp8_matmul
-from ernie_jax.quant import BlockFP8, fp8_linear
+from ernie_jax.quant import BlockFP8, IntWeight, fp8_linear, int_linear
 
 
 class Matmuls(NamedTuple):
@@ -32,6 +33,8 @@ def linear(x: jax.Array, w, mm: Matmuls = Matmuls()) -> jax.Array:
                                  implementation=mm.block_fp8, platform=mm.platform, block=w.block)
             return y.reshape(*x.shape[:-1], y.shape[-1])
         return fp8_linear(x, w)
+    if isinstance(w, IntWeight):
+        return int_linear(x, w)
     return jnp.einsum("...i,io->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
 
 

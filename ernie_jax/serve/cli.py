@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 
+from ernie_jax.config import QUANTIZATION_SCHEMES as SCHEMES
 from ernie_jax.structured.reasoning import PARSERS as REASONING_PARSERS
 
 log = logging.getLogger("ernie_jax.serve")
@@ -98,7 +99,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--batch-invariant", action="store_true", help="decode at one batch shape, so a request's output never "
       "depends on what else runs (costs throughput at low load; fewer programs to compile)")
     a("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    a("--quantization", default=None, choices=["fp8"], help="quantize a BF16 checkpoint to block FP8 at load")
+    a("--quantization", default=None, choices=list(SCHEMES),
+      help="quantize a BF16 checkpoint at load (FastDeploy's names): fp8 = block-wise FP8 (block_wise_fp8), "
+           "wint8 / wint4 = weight-only int8 / int4, w4a8 = int4 routed experts with int8 activations (wint8 "
+           "elsewhere). A checkpoint that is already quantized is served as stored")
+    a("--quant-group-size", type=int, default=-1,
+      help="wint4's scales: -1 per output channel (FastDeploy's), or one per group of this many input rows")
     a("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8"])
     a("--kernels", default="auto", choices=["auto", "pallas", "xla"],
       help="auto: the Pallas kernels where the device supports them and they pass a start-up self-check "
@@ -175,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = EngineConfig.create(
             dtype=args.dtype, seed=args.seed, quantization=args.quantization, kernels=args.kernels,
+            quant_group_size=args.quant_group_size,
             compilation_cache_dir=args.compilation_cache_dir or None, max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             batch_invariant=args.batch_invariant, background_compile=args.background_compile,

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ernie_jax.config import ErnieConfig
-from ernie_jax.quant import BlockFP8
+from ernie_jax.quant import BlockFP8, IntWeight
 
 log = logging.getLogger("ernie_jax.sharding")
 
@@ -84,7 +84,9 @@ def group_fused(parts_arrays: list, groups: int):
 
 def _on_columns(w, fn, block: int):
     """fn applied to w's output-column axis: an array's last axis; a BlockFP8's values (their second-to-last
-    axis when K-major) and scales (at block granularity)."""
+    axis when K-major) and scales (at block granularity); an IntWeight's values and scales (one per column)."""
+    if isinstance(w, IntWeight):
+        return dataclasses.replace(w, values=fn(w.values, 1), scales=fn(w.scales, 1))
     if not isinstance(w, BlockFP8):
         return fn(w, 1)
     values = fn(w.values.swapaxes(-1, -2), 1).swapaxes(-1, -2) if w.k_major else fn(w.values, 1)

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ernie_jax.quant import BlockFP8
+from ernie_jax.quant import BlockFP8, IntWeight, is_quantized
 from ernie_jax.sharding.mesh import mesh_sizes
 
 
@@ -138,9 +138,19 @@ class ShardingPlan:
         return self.named(self.spec(logical, shape))
 
     def param_spec(self, name: str, x: Any) -> Any:
-        """The spec of weights leaf `name`: a PartitionSpec, or for a BlockFP8 a BlockFP8 of specs whose
-        scales follow the values' logical axes (swapped for K-major values, stored [out, in])."""
+        """The spec of weights leaf `name`: a PartitionSpec, or for a quantized leaf the same type holding specs.
+        A BlockFP8's scales follow the values' logical axes (swapped for K-major values, stored [out, in]).
+        An IntWeight's values and scales split their `in` axis only where both split evenly (each shard then
+        holds whole scale groups and the rows they scale); otherwise that axis is replicated."""
         logical = LEAF_AXES[name]
+        if isinstance(x, IntWeight):
+            values = self.spec(logical, tuple(x.values.shape), name)
+            scales = self.spec(logical, tuple(x.scales.shape), name)
+            if x.scales.shape[-2] > 1 and values[-2] != scales[-2]:
+                values, scales = (P(*s[:-2], None, s[-1]) for s in (values, scales))
+            elif x.scales.shape[-2] == 1:
+                scales = P(*scales[:-2], None, scales[-1])
+            return dataclasses.replace(x, values=values, scales=scales)
         if not isinstance(x, BlockFP8):
             return self.spec(logical, tuple(x.shape), name)
         kn = self.spec(logical, x.shape, name)
@@ -150,14 +160,14 @@ class ShardingPlan:
     def weight_specs(self, weights: Any) -> Any:
         """PartitionSpec pytree for a weights pytree (arrays or ShapeDtypeStructs)."""
         return jax.tree_util.tree_map_with_path(lambda path, x: self.param_spec(_leaf_name(path), x), weights,
-                                                is_leaf=lambda x: isinstance(x, BlockFP8))
+                                                is_leaf=is_quantized)
 
     def shardings(self, weights: Any) -> Any:
         return jax.tree.map(self.named, self.weight_specs(weights), is_leaf=lambda x: isinstance(x, P))
 
 
 def _leaf_name(path) -> str:
-    """The weights-pytree leaf name of a tree path (skipping list indices and BlockFP8 fields)."""
+    """The weights-pytree leaf name of a tree path (skipping list indices and quantized leaves' fields)."""
     for entry in reversed(path):
         if isinstance(entry, jax.tree_util.DictKey) and str(entry.key) in LEAF_AXES:
             return str(entry.key)

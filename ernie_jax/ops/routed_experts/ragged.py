@@ -15,7 +15,7 @@ from ernie_jax.ops.dense import Matmuls, silu_mul
 from ernie_jax.ops.grouped_fp8_matmul import grouped_fp8_matmul
 from ernie_jax.ops.routed_experts.common import ExpertOptions, combine, num_local
 from ernie_jax.ops.routed_experts.routing import sort_by_expert
-from ernie_jax.quant import BlockFP8, fp8_ragged_dot
+from ernie_jax.quant import BlockFP8, IntWeight, fp8_ragged_dot, int_ragged_dot
 
 
 def ragged_dot(x: jax.Array, w, group_sizes: jax.Array, mm: Matmuls) -> jax.Array:
@@ -24,6 +24,8 @@ def ragged_dot(x: jax.Array, w, group_sizes: jax.Array, mm: Matmuls) -> jax.Arra
             return grouped_fp8_matmul(x, w.values, w.scales, group_sizes, w.k_major, implementation=mm.grouped_fp8,
                                       platform=mm.platform, block=w.block)
         return fp8_ragged_dot(x, w, group_sizes)
+    if isinstance(w, IntWeight):
+        return int_ragged_dot(x, w, group_sizes)
     return lax.ragged_dot(x, w.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
 
 
