@@ -183,3 +183,67 @@ def test_bad_input_names_the_problem(tmp_path):
     (q / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="moe_quant_type 'wint2'"):
         load_pretrained(q)
+
+
+KERNEL_CASES = [(8, -1, "weight_only"), (4, -1, "weight_only"), (4, 64, "weight_only"), (4, 128, "weight_only"),
+                (4, -1, "w4a8")]
+
+
+@pytest.mark.parametrize("M", [1, 7, 64, 300])
+@pytest.mark.parametrize("bits,group,compute", KERNEL_CASES)
+def test_kernel_matches_its_reference(M, bits, group, compute):
+    """The Pallas-Triton kernel in the interpreter on odd shapes (K = 300, N = 200: neither a multiple of the
+    group nor of the tiles). Tolerance 1e-5 of the largest output in f32: the kernel scales exact integer
+    sums where the grouped reference dequantizes first, so they round differently."""
+    from ernie_jax.ops.base import Platform
+    from ernie_jax.ops.int_weight_matmul import OP
+    rng = np.random.default_rng(M + bits + group)
+    w = q_int(rng.standard_normal((300, 200)).astype(np.float32) * 0.05, bits, group, compute)
+    x = jnp.asarray(rng.standard_normal((M, 300)), jnp.float32)
+    got, want = OP.get("pallas_triton").fn(x, w, Platform("cpu")), int_linear(x, w)
+    assert got.shape == (M, 200) and float(jnp.abs(got - want).max()) <= 1e-5 * float(jnp.abs(want).max())
+
+
+@pytest.mark.parametrize("sizes", [[1, 0, 0, 0], [3, 0, 4, 0], [20, 7, 0, 37]])
+@pytest.mark.parametrize("bits,group,compute", KERNEL_CASES[:1] + KERNEL_CASES[2:3] + KERNEL_CASES[4:])
+def test_grouped_kernel_matches_its_reference(sizes, bits, group, compute):
+    from ernie_jax.ops.base import Platform
+    from ernie_jax.ops.grouped_int_matmul import OP
+    rng = np.random.default_rng(sum(sizes))
+    w = q_int(rng.standard_normal((4, 200, 150)).astype(np.float32) * 0.05, bits, group, compute)
+    x = jnp.asarray(rng.standard_normal((sum(sizes) + 3, 200)), jnp.float32)
+    got = OP.get("pallas_triton").fn(x, w, jnp.asarray(sizes), Platform("cpu"))
+    want = int_ragged_dot(x, w, jnp.asarray(sizes))
+    assert float(jnp.abs(got - want).max()) <= 1e-5 * float(jnp.abs(want).max())
+    assert np.all(np.asarray(got)[sum(sizes):] == 0)
+
+
+@pytest.mark.parametrize("mesh", [None, "data=1,expert=4,tensor=2"])
+def test_model_runs_through_the_integer_kernels(monkeypatch, golden, mesh):
+    """A wint4 model (groups of 32) and a W4A8 one placed with the kernels forced (interpreted): every integer
+    linear and the grouped expert matmul take them and agree with the XLA path, on one device and per device
+    under a mesh (linears split by columns and by rows, experts inside the expert-parallel shard_map);
+    groups the kernel's steps cannot follow (16) take the reference and say so."""
+    from ernie_jax.model.ernie import ErnieForCausalLM
+    from ernie_jax.ops import ExecutionConfig, Platform, base
+    from tests.test_ops import record_kernels
+    g = golden("shared_untied")
+    ids = g["input_ids"][:1, :6]
+    ex = ExecutionConfig.select(Platform("cpu"), "pallas", routed_experts="ragged")
+    for scheme, group in (("wint4", 32), ("w4a8", -1), ("wint4", 16)):
+        model = load_pretrained(GOLDEN / "shared_untied" / "paddle", dtype=jnp.float32, quantization=scheme,
+                                quant_group_size=group, mesh=mesh)
+        ref = np.asarray(model(ids))
+        used = record_kernels(monkeypatch)
+        placed = ErnieForCausalLM.from_host(model.config, model.checkpoint_weights(), model.dtype, model.plan, ex)
+        out = np.asarray(placed(ids))
+        if group == 16:
+            assert not used & {"int_weight_matmul_pallas", "grouped_int_matmul_pallas"}
+            assert ("int_weight_matmul", "pallas_triton", "scale groups of 16 rows (the kernel's K steps are 64 or "
+                    "32 rows)") in base.FALLBACKS
+        else:
+            assert {"int_weight_matmul_pallas", "grouped_int_matmul_pallas"} <= used
+            # only the dense FFN's down (96 rows: 3 groups of 32) cannot split over tensor=2 in whole groups
+            assert all(f[2].startswith("down (96, 64)") for f in base.FALLBACKS
+                       if f[0] == "int_weight_matmul" and "on mesh" in f[2])
+        assert np.abs(out - ref).max() < 1e-4 * np.abs(ref).max()

@@ -217,14 +217,31 @@ def test_every_kernel_lowers_for_cuda():
         (functools.partial(grouped_block_fp8_matmul_pallas, k_major=True),
          (sds((256, 3584), bf), sds((8, 8192, 3584), f8), sds((8, 28, 64), f32), sds((8,), i32))),
     ]
-    for fn, args in cases + k_major:
+    from ernie_jax.ops.grouped_int_matmul.pallas_triton import grouped_int_matmul_pallas
+    from ernie_jax.ops.int_weight_matmul.pallas_triton import int_weight_matmul_pallas
+    i8 = jnp.int8
+    integer = [  # wint8, grouped wint4 at decode size, W4A8 (dense and the 300B-shaped experts), grouped wint4 experts
+        (functools.partial(int_weight_matmul_pallas, bits=8, group=-1, rows=8192),
+         (sds((64, 8192), bf), sds((8192, 10240), i8), sds((1, 10240), f32))),
+        (functools.partial(int_weight_matmul_pallas, bits=4, group=128, rows=8192),
+         (sds((1, 8192), bf), sds((4096, 10240), i8), sds((64, 10240), f32))),
+        (functools.partial(int_weight_matmul_pallas, bits=4, group=-1, rows=8192, w4a8=True),
+         (sds((16, 8192), bf), sds((4096, 10240), i8), sds((1, 10240), f32))),
+        (functools.partial(grouped_int_matmul_pallas, bits=4, group=-1, rows=8192, w4a8=True),
+         (sds((256, 8192), bf), sds((8, 4096, 7168), i8), sds((8, 1, 7168), f32), sds((8,), i32))),
+        (functools.partial(grouped_int_matmul_pallas, bits=4, group=64, rows=3584),
+         (sds((256, 3584), bf), sds((8, 1792, 8192), i8), sds((8, 56, 8192), f32), sds((8,), i32))),
+    ]
+    for fn, args in cases + k_major + integer:
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "triton" in text.lower() or "pallas" in text.lower() or "custom_call" in text
 
 
 KERNEL_MODULES = {"block_fp8_matmul_pallas": "ernie_jax.ops.block_fp8_matmul",
                   "grouped_block_fp8_matmul_pallas": "ernie_jax.ops.grouped_fp8_matmul",
-                  "paged_attention_pallas": "ernie_jax.ops.paged_attention"}
+                  "paged_attention_pallas": "ernie_jax.ops.paged_attention",
+                  "int_weight_matmul_pallas": "ernie_jax.ops.int_weight_matmul",
+                  "grouped_int_matmul_pallas": "ernie_jax.ops.grouped_int_matmul"}
 
 
 def record_kernels(monkeypatch) -> set:

@@ -1,7 +1,8 @@
 """The op layer: each op the model calls per backend, with its XLA reference and its other implementations.
 
-One folder per op (tokamax's layout): block_fp8_matmul/, grouped_fp8_matmul/, paged_attention/,
-routed_experts/; dense.py holds the plain linear and SwiGLU that route block-FP8 weights to their op.
+One folder per op (tokamax's layout): block_fp8_matmul/, grouped_fp8_matmul/, int_weight_matmul/,
+grouped_int_matmul/, paged_attention/, routed_experts/; dense.py holds the plain linear and SwiGLU that route
+quantized weights to their op.
 Each op's __init__ lists its implementations in order of preference, each saying what it supports
 (base.py); the execution config (execution.py) records the choice per op, once, and selfcheck.py checks
 chosen kernels against their references on the device at start-up. Ops import nothing from the model.

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from ernie_jax.ops import block_fp8_matmul, grouped_fp8_matmul, paged_attention, routed_experts
+from ernie_jax.ops import (block_fp8_matmul, grouped_fp8_matmul, grouped_int_matmul, int_weight_matmul, paged_attention,
+                           routed_experts)
 from ernie_jax.ops.base import Op, Platform
 from ernie_jax.ops.dense import Matmuls
 from ernie_jax.ops.routed_experts.common import ExpertOptions
 
-OPS: dict[str, Op] = {op.name: op for op in (block_fp8_matmul.OP, grouped_fp8_matmul.OP, paged_attention.OP,
-                                             routed_experts.OP)}
+OPS: dict[str, Op] = {op.name: op for op in (block_fp8_matmul.OP, grouped_fp8_matmul.OP, int_weight_matmul.OP,
+                                             grouped_int_matmul.OP, paged_attention.OP, routed_experts.OP)}
 KERNEL_MODES = ("auto", "pallas", "xla")
 EP_DISPATCHES = ("replicated", "all_to_all")
 
@@ -29,6 +30,8 @@ class ExecutionConfig:
     kernels: str = "auto"  # KERNEL_MODES: "pallas" forces the kernels (interpreted off GPUs), "xla" none
     block_fp8_matmul: str = "xla"
     grouped_fp8_matmul: str = "xla"
+    int_weight_matmul: str = "xla"
+    grouped_int_matmul: str = "xla"
     paged_attention: str = "xla"
     routed_experts: str = "ragged"
     # Expert parallelism: "all_to_all" sends each assignment to its expert's device (its cost follows the
@@ -80,7 +83,8 @@ class ExecutionConfig:
 
     @property
     def matmuls(self) -> Matmuls:
-        return Matmuls(self.block_fp8_matmul, self.grouped_fp8_matmul, self.platform)
+        return Matmuls(self.block_fp8_matmul, self.grouped_fp8_matmul, self.platform, self.int_weight_matmul,
+                       self.grouped_int_matmul)
 
     @property
     def expert_options(self) -> ExpertOptions:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ernie_jax.ops.execution import OPS, ExecutionConfig
-from ernie_jax.quant import quantize_block_fp8
+from ernie_jax.quant import quantize_block_fp8, quantize_int
 
 log = logging.getLogger("ernie_jax.ops")
 
@@ -33,6 +33,17 @@ def _grouped_case(rng):
     return (x, w.values, w.scales, jnp.asarray([7, 0, 20, 10], jnp.int32))
 
 
+def _int_case(rng):
+    x = jnp.asarray(rng.standard_normal((24, 256)), jnp.bfloat16)
+    return (x, quantize_int(rng.standard_normal((256, 384)).astype(np.float32) * 0.05, 4, 128))
+
+
+def _grouped_int_case(rng):
+    x = jnp.asarray(rng.standard_normal((40, 256)), jnp.bfloat16)
+    w = quantize_int(rng.standard_normal((4, 256, 256)).astype(np.float32) * 0.05, 4, -1, "w4a8")
+    return (x, w, jnp.asarray([7, 0, 20, 10], jnp.int32))
+
+
 def _attention_case(rng):
     B, T, N, K, D, P, page = 2, 3, 4, 2, 64, 9, 4
     q = jnp.asarray(rng.standard_normal((B, T, N, D)), jnp.bfloat16)
@@ -42,7 +53,8 @@ def _attention_case(rng):
     return (q, kv[0], kv[1], None, None, tables, positions)
 
 
-CASES = {"block_fp8_matmul": _matmul_case, "grouped_fp8_matmul": _grouped_case, "paged_attention": _attention_case}
+CASES = {"block_fp8_matmul": _matmul_case, "grouped_fp8_matmul": _grouped_case, "int_weight_matmul": _int_case,
+         "grouped_int_matmul": _grouped_int_case, "paged_attention": _attention_case}
 
 
 def _run(op: str, implementation: str, ex: ExecutionConfig, args):

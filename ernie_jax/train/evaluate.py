@@ -7,8 +7,9 @@ cut into windows of --max-length that predict disjoint spans, the first token pr
 token (`<s>`), later windows with the preceding tokens as context. So the figures here are the ones the
 harness reports through the server (benchmarks/lm_eval_tasks/heldout_rolling.yaml), token for token.
 
-Variants: f32 and bf16 (the BF16 folder), FP8 weight-only and FP8 w8a8 (the FP8 folder), and the FP8 KV
-cache (bf16 weights, fp8 cache); every variant but f32 attends through a paged KV cache as the engine does.
+Variants: f32 and bf16 (the BF16 folder), FP8 weight-only and FP8 w8a8 (the FP8 folder), the FP8 KV
+cache (bf16 weights, fp8 cache), and the integer weights quantized from the BF16 folder at load (wint8, wint4
+per channel and in groups of 128 and 64, w4a8; quant/int_weights.py); every variant but f32 attends through a paged KV cache as the engine does.
 Reported per variant: token, byte and word perplexity (English and Chinese too), next-token top-1 and the
 MTP block's next-next-token top-1 accuracy (an upper bound of greedy MTP acceptance), and, for bf16, the
 tokens per expert per MoE layer. The unigram baseline uses the train split's token frequencies (add-one).
@@ -147,12 +148,17 @@ def unigram_ppl(train_stream: np.ndarray, rows: np.ndarray, masks: np.ndarray, v
     return float(np.exp(-(logp[targets] * masks).sum() / masks.sum()))
 
 
-VARIANTS = (  # name, folder, dtype, fp8 compute, KV cache dtype
-    ("f32", "bf16", jnp.float32, "w8a8", None),
-    ("bf16", "bf16", jnp.bfloat16, "w8a8", "bfloat16"),
-    ("fp8 weight-only", "fp8", jnp.bfloat16, "weight_only", "bfloat16"),
-    ("fp8 w8a8", "fp8", jnp.bfloat16, "w8a8", "bfloat16"),
-    ("fp8 kv cache", "bf16", jnp.bfloat16, "w8a8", "float8_e4m3fn"),
+VARIANTS = (  # name, folder, dtype, load_pretrained settings, KV cache dtype
+    ("f32", "bf16", jnp.float32, {}, None),
+    ("bf16", "bf16", jnp.bfloat16, {}, "bfloat16"),
+    ("fp8 weight-only", "fp8", jnp.bfloat16, dict(fp8_compute="weight_only"), "bfloat16"),
+    ("fp8 w8a8", "fp8", jnp.bfloat16, dict(fp8_compute="w8a8"), "bfloat16"),
+    ("fp8 kv cache", "bf16", jnp.bfloat16, {}, "float8_e4m3fn"),
+    ("wint8", "bf16", jnp.bfloat16, dict(quantization="wint8"), "bfloat16"),
+    ("wint4", "bf16", jnp.bfloat16, dict(quantization="wint4"), "bfloat16"),
+    ("wint4 g128", "bf16", jnp.bfloat16, dict(quantization="wint4", quant_group_size=128), "bfloat16"),
+    ("wint4 g64", "bf16", jnp.bfloat16, dict(quantization="wint4", quant_group_size=64), "bfloat16"),
+    ("w4a8", "bf16", jnp.bfloat16, dict(quantization="w4a8"), "bfloat16"),
 )
 
 
@@ -170,8 +176,8 @@ def evaluate(bf16: str, fp8: str, corpus: str, max_len: int = 256, variants=VARI
     rows, masks, owner = _windows(sp, docs, max_len)
     report = {"max_length": max_len, "documents": len(docs), "windows": len(rows), "variants": {}}
     cfg = None
-    for name, which, dtype, compute, kv in variants:
-        model = load_pretrained({"bf16": bf16, "fp8": fp8}[which], dtype=dtype, fp8_compute=compute)
+    for name, which, dtype, settings, kv in variants:
+        model = load_pretrained({"bf16": bf16, "fp8": fp8}[which], dtype=dtype, **settings)
         cfg = model.config
         res = score_model(model.weights(), cfg, rows, masks, kv)
         report["variants"][name] = summarize(res["per_window"], owner, docs, masks)

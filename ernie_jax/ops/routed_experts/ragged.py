@@ -1,7 +1,7 @@
 """The reference routed experts: assignments sorted by expert, one grouped (ragged) matmul per projection.
 
 The cost follows the routed rows, which is what accelerators want; block-FP8 experts run the
-grouped_fp8_matmul op. XLA:CPU runs ragged_dot as a dense loop over every group on every row (docs/xla-notes.md N3),
+grouped_fp8_matmul op, integer experts the grouped_int_matmul op. XLA:CPU runs ragged_dot as a dense loop over every group on every row (docs/xla-notes.md N3),
 which is why CPUs take xla_cpu.py's forms.
 """
 
@@ -13,9 +13,10 @@ from jax import lax
 
 from ernie_jax.ops.dense import Matmuls, silu_mul
 from ernie_jax.ops.grouped_fp8_matmul import grouped_fp8_matmul
+from ernie_jax.ops.grouped_int_matmul import grouped_int_matmul
 from ernie_jax.ops.routed_experts.common import ExpertOptions, combine, num_local
 from ernie_jax.ops.routed_experts.routing import sort_by_expert
-from ernie_jax.quant import BlockFP8, IntWeight, fp8_ragged_dot, int_ragged_dot
+from ernie_jax.quant import BlockFP8, IntWeight, fp8_ragged_dot
 
 
 def ragged_dot(x: jax.Array, w, group_sizes: jax.Array, mm: Matmuls) -> jax.Array:
@@ -25,7 +26,7 @@ def ragged_dot(x: jax.Array, w, group_sizes: jax.Array, mm: Matmuls) -> jax.Arra
                                       platform=mm.platform, block=w.block)
         return fp8_ragged_dot(x, w, group_sizes)
     if isinstance(w, IntWeight):
-        return int_ragged_dot(x, w, group_sizes)
+        return grouped_int_matmul(x, w, group_sizes, implementation=mm.grouped_int, platform=mm.platform)
     return lax.ragged_dot(x, w.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
 
 
