@@ -14,7 +14,8 @@ M = 1, 64, 256, 4096: TFLOP/s (2MNK / t) and GB/s (FP8 weights + scales + activa
   pallas-kmajor  the same on K-major [N, K] weights, the layout the loader gives the kernels,
   xla-bf16 a bf16 dot on the dequantized weights (dequantized once, outside the timing),
   xla-fp8  a plain per-tensor e4m3 x e4m3 dot with f32 accumulation (no block scales: a speed anchor),
-   and as fractions of the H200's 1,979 dense FP8 TFLOP/s and 4.8 TB/s. The grouped kernel runs 8 local
+   and as fractions of the H200's 1,979 dense FP8 TFLOP/s and 4.8 TB/s; the integer-weight kernel (wint8,
+   wint4 in groups of 128, W4A8) against its XLA reference at decode and prefill M. The grouped kernel runs 8 local
    experts of the expert shapes with the rows spread evenly, and once with 1/8 of its buffer routed (the
    tiles past the rows are skipped); paged attention reads an FP8 cache (B x context tokens, 8 KV heads of
    128, 64 query heads) and reports the cache bytes read per second; the causal prefill over the same
@@ -37,13 +38,18 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from ernie_jax.ops.base import Platform  # noqa: E402
 from ernie_jax.ops.block_fp8_matmul import block_fp8_matmul  # noqa: E402
 from ernie_jax.ops.grouped_fp8_matmul import grouped_fp8_matmul  # noqa: E402
+from ernie_jax.ops.grouped_int_matmul import grouped_int_matmul  # noqa: E402
+from ernie_jax.ops.int_weight_matmul import int_weight_matmul  # noqa: E402
 from ernie_jax.ops.paged_attention import paged_attention  # noqa: E402
 from ernie_jax.ops.selfcheck import execution_for  # noqa: E402
-from ernie_jax.quant import dequantize, quantize_block_fp8  # noqa: E402
+from ernie_jax.quant import dequantize, quantize_block_fp8, quantize_int  # noqa: E402
 
 KERNEL = "pallas_triton"
+# Every kernel call names the device's platform: without it a kernel would run in the Pallas interpreter.
+ON = dict(implementation=KERNEL, platform=Platform.of(jax.devices()[0]))
 
 PEAK_FLOPS, PEAK_BW = 1979e12, 4.8e12
 SHAPES = {"qkv": (8192, 10240), "o": (8192, 8192), "expert_up_gate": (8192, 7168), "expert_down": (3584, 8192)}
@@ -79,7 +85,7 @@ def matmuls(ms, shapes, reps):
             x = jax.random.normal(jax.random.key(1), (M, K), jnp.float32).astype(jnp.bfloat16)
             io = x.nbytes + M * N * 2
             for impl, wl in (("pallas", w), ("pallas-kmajor", wt)):
-                pallas = jax.jit(lambda x, q, s, _k=wl.k_major: block_fp8_matmul(x, q, s, _k, implementation=KERNEL))
+                pallas = jax.jit(lambda x, q, s, _k=wl.k_major: block_fp8_matmul(x, q, s, _k, **ON))
                 row(f"{name} {K}x{N}", M, K, N, impl, timeit(pallas, x, wl.values, wl.scales, reps=reps),
                     w_nbytes + io)
             bf16 = jax.jit(lambda x, wb: jnp.dot(x, wb, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
@@ -87,6 +93,25 @@ def matmuls(ms, shapes, reps):
             fp8 = jax.jit(lambda x, q: jnp.dot(x.astype(jnp.float8_e4m3fn), q, preferred_element_type=jnp.float32)
                           .astype(jnp.bfloat16))
             row(f"{name} {K}x{N}", M, K, N, "xla-fp8", timeit(fp8, x, w.values, reps=reps), w.values.nbytes + io)
+
+
+INT_SCHEMES = {"wint8": (8, -1, "weight_only"), "wint4 g128": (4, 128, "weight_only"), "w4a8": (4, -1, "w4a8")}
+
+
+def int_matmuls(ms, shapes, reps):
+    print("\n| integer weights (K x N) | M | impl | us | TFLOP/s | GB/s | % FP8 peak | % HBM BW |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, (K, N) in shapes.items():
+        host = np.random.default_rng(0).standard_normal((K, N)).astype(np.float32) * 0.02
+        for scheme, fmt in INT_SCHEMES.items():
+            w = jax.device_put(quantize_int(host, *fmt))
+            for M in ms:
+                x = jax.random.normal(jax.random.key(1), (M, K), jnp.float32).astype(jnp.bfloat16)
+                nbytes = w.nbytes + x.nbytes + M * N * 2
+                for impl in (KERNEL, "xla"):
+                    fn = jax.jit(lambda x, w, _i=impl: int_weight_matmul(x, w, implementation=_i))
+                    row(f"{name} {K}x{N} {scheme}", M, K, N, "pallas" if impl == KERNEL else "xla",
+                        timeit(fn, x, w, reps=reps), nbytes)
 
 
 def grouped(ms, reps, K=8192, N=7168, G=8):
@@ -99,12 +124,12 @@ def grouped(ms, reps, K=8192, N=7168, G=8):
         sizes = jnp.full((G,), M // G, jnp.int32).at[0].add(M - G * (M // G))
         nbytes = w.values.nbytes + w.scales.nbytes + x.nbytes + M * N * 2
         for impl, wl in (("pallas", w), ("pallas-kmajor", wt)):
-            fn = jax.jit(lambda x, q, s, g, _k=wl.k_major: grouped_fp8_matmul(x, q, s, g, _k, implementation=KERNEL))
+            fn = jax.jit(lambda x, q, s, g, _k=wl.k_major: grouped_fp8_matmul(x, q, s, g, _k, **ON))
             row(f"{K}x{N}", M, K, N, impl, timeit(fn, x, wl.values, wl.scales, sizes, reps=reps), nbytes)
         # 1/8 of the buffer routed (an EP8 worst-case receive buffer holding an average load): the skipped
         # tiles should make this about 1/8 of the full buffer's time
         part = jnp.zeros((G,), jnp.int32).at[0].set(M // 8)
-        fn = jax.jit(lambda x, q, s, g: grouped_fp8_matmul(x, q, s, g, True, implementation=KERNEL))
+        fn = jax.jit(lambda x, q, s, g: grouped_fp8_matmul(x, q, s, g, True, **ON))
         row(f"{K}x{N} (1/8 routed)", M, K, N, "pallas-kmajor", timeit(fn, x, wt.values, wt.scales, part, reps=reps),
             nbytes)
 
@@ -120,7 +145,7 @@ def attention(batches, context, reps, page=16, K=8, D=128, N=64):
         q = jax.random.normal(jax.random.key(1), (B, N, D), jnp.float32).astype(jnp.bfloat16)
         tables = (1 + jnp.arange(B * pages_per_seq, dtype=jnp.int32)).reshape(B, pages_per_seq)
         lengths = jnp.full((B,), context, jnp.int32)
-        fn = jax.jit(lambda q, *a: paged_attention(q[:, None], *a[:-1], (a[-1] - 1)[:, None], implementation=KERNEL))
+        fn = jax.jit(lambda q, *a: paged_attention(q[:, None], *a[:-1], (a[-1] - 1)[:, None], **ON))
         t = timeit(fn, q, kv, kv, scale, scale, tables, lengths, reps=reps)
         read = 2 * B * context * K * (D + 4)
         print(f"| pallas | {B} | {context} | {t * 1e6:.1f} | {read / t / 1e9:.0f} | {100 * read / t / PEAK_BW:.1f}% |",
@@ -137,7 +162,7 @@ def prefill_attention(chunks, reps, page=16, K=8, D=128, N=64):
         q = jax.random.normal(jax.random.key(1), (1, T, N, D), jnp.float32).astype(jnp.bfloat16)
         tables = (1 + jnp.arange(T // page, dtype=jnp.int32))[None]
         positions = jnp.arange(T, dtype=jnp.int32)[None]
-        fn = jax.jit(lambda *a: paged_attention(*a, implementation=KERNEL))
+        fn = jax.jit(lambda *a: paged_attention(*a, **ON))
         t = timeit(fn, q, kv, kv, scale, scale, tables, positions, reps=reps)
         flops = 2 * 2 * N * D * T * T / 2  # causal: half of QK^T and PV
         print(f"| pallas | {T} | {t * 1e6:.1f} | {flops / t / 1e12:.1f} | {100 * flops / t / PEAK_FLOPS:.1f}% |",
@@ -168,7 +193,7 @@ def correctness(big: bool) -> int:
         x = jax.random.normal(key, (M, K), jnp.float32).astype(jnp.bfloat16)
         w = quantize_block_fp8(jax.random.normal(key, (K, N), jnp.float32) * 0.02)
         for k_major, wl in ((False, w), (True, w.relayout(True))):
-            got = block_fp8_matmul(x, wl.values, wl.scales, k_major, implementation=KERNEL)
+            got = block_fp8_matmul(x, wl.values, wl.scales, k_major, **ON)
             report("block_fp8_matmul" + (" k-major" if k_major else ""), (M, K, N),
                    _rel(got, block_fp8_matmul(x, w.values, w.scales, implementation="xla")))
     for M, K, N, G in [(40, 256, 256, 4)] + ([(2048, 8192, 7168, 8)] if big else []):
@@ -176,13 +201,30 @@ def correctness(big: bool) -> int:
         w = quantize_block_fp8(jax.random.normal(key, (G, K, N), jnp.float32) * 0.02)
         sizes = jnp.asarray(np.random.default_rng(0).multinomial(M - 3, [1 / G] * G), jnp.int32)
         wt = w.relayout(True)
-        got = grouped_fp8_matmul(x, wt.values, wt.scales, sizes, True, implementation=KERNEL)
+        got = grouped_fp8_matmul(x, wt.values, wt.scales, sizes, True, **ON)
         report("grouped_fp8_matmul k-major", (M, K, N, G),
                _rel(got, grouped_fp8_matmul(x, w.values, w.scales, sizes, implementation="xla")))
+    for M, K, N in [(7, 200, 136)] + ([(256, 8192, 10240)] if big else []):
+        x = jax.random.normal(key, (M, K), jnp.float32).astype(jnp.bfloat16)
+        host = np.random.default_rng(M).standard_normal((K, N)).astype(np.float32) * 0.02
+        for scheme, fmt in INT_SCHEMES.items():
+            w = quantize_int(host, *fmt)
+            report(f"int_weight_matmul {scheme}", (M, K, N), _rel(int_weight_matmul(x, w, **ON),
+                                                                 int_weight_matmul(x, w, implementation="xla")))
+    for M, K, N, G in [(40, 256, 256, 4)] + ([(2048, 8192, 7168, 8)] if big else []):
+        x = jax.random.normal(key, (M, K), jnp.float32).astype(jnp.bfloat16)
+        host = np.random.default_rng(G).standard_normal((G, K, N)).astype(np.float32) * 0.02
+        sizes = jnp.asarray(np.random.default_rng(0).multinomial(M - 3, [1 / G] * G), jnp.int32)
+        for scheme in ("wint4 g128", "w4a8"):
+            w = quantize_int(host, *INT_SCHEMES[scheme])
+            report(f"grouped_int_matmul {scheme}", (M, K, N, G),
+                   _rel(grouped_int_matmul(x, w, sizes, **ON),
+                        grouped_int_matmul(x, w, sizes, implementation="xla")))
     rng = np.random.default_rng(1)
     for B, T, N, K, D in [(3, 1, 8, 2, 64), (2, 17, 10, 2, 64)] + ([(8, 1, 64, 8, 128), (1, 512, 64, 8, 128)]
                                                                    if big else []):
-        page, n = 16, 8
+        page = 16
+        n = max(8, -(-T // page) + 1)  # pages per sequence: room for the chunk after a random start
         P = B * n + 1
         q = jnp.asarray(rng.standard_normal((B, T, N, D)), jnp.bfloat16)
         kv = jnp.asarray(rng.standard_normal((P, page, K, D)) * 20, jnp.float32).astype(jnp.float8_e4m3fn)
@@ -192,7 +234,11 @@ def correctness(big: bool) -> int:
         positions = jnp.asarray(start[:, None] + np.arange(T), jnp.int32)
         args = (q, kv, kv, sc, sc, tables, positions)
         report("paged_attention fp8", (B, T, N, K, D),
-               _rel(paged_attention(*args, implementation=KERNEL), paged_attention(*args, implementation="xla")))
+               _rel(paged_attention(*args, **ON), paged_attention(*args, implementation="xla")))
+        kv16 = jnp.asarray(rng.standard_normal((P, page, K, D)), jnp.bfloat16)  # a bf16 cache: no scales
+        args = (q, kv16, kv16, None, None, tables, positions)
+        report("paged_attention bf16", (B, T, N, K, D),
+               _rel(paged_attention(*args, **ON), paged_attention(*args, implementation="xla")))
     return failures
 
 
@@ -241,16 +287,23 @@ def main() -> int:
     failures = correctness(big=not args.smoke)
     if args.smoke:
         matmuls([1, 16], {"small": (256, 256)}, reps=2)
+        int_matmuls([1, 16], {"small": (256, 256)}, reps=2)
         grouped([16], reps=2, K=256, N=256, G=2)
         attention([2], 64, reps=2)
         prefill_attention([32], reps=2)
         end_to_end("tiny", [1, 4], 8)
         return int(failures > 0)
-    matmuls([1, 64, 256, 4096], SHAPES, reps=20)
-    grouped([64, 256, 4096], reps=20)
-    attention([8, 32], 4096, reps=20)
-    prefill_attention([1024, 4096], reps=10)
-    end_to_end("ernie-4.5-21b-a3b", [1, 32], 64)
+    sections = [lambda: matmuls([1, 64, 256, 4096], SHAPES, reps=20),
+                lambda: int_matmuls([1, 64, 4096], {k: SHAPES[k] for k in ("qkv", "expert_up_gate")}, reps=20),
+                lambda: grouped([64, 256, 4096], reps=20), lambda: attention([8, 32], 4096, reps=20),
+                lambda: prefill_attention([1024, 4096], reps=10),
+                lambda: end_to_end("ernie-4.5-21b-a3b", [1, 32], 64)]
+    for section in sections:  # a section that fails on an untried device must not hide the others' figures
+        try:
+            section()
+        except Exception as e:  # noqa: BLE001
+            failures += 1
+            print(f"\nFAILED: {type(e).__name__}: {str(e)[:500]}", flush=True)
     return int(failures > 0)
 
 

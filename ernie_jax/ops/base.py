@@ -93,6 +93,15 @@ def kernel_platform(need_fp8_mma: bool) -> Callable[[Platform], str | None]:
     return supports
 
 
+def interpret(platform: Platform | None) -> bool:
+    """Whether a Pallas kernel runs in the interpreter: off GPUs. A call that names no platform takes JAX's
+    default backend's (a GPU benchmark once ran the kernels interpreted because it named none)."""
+    if platform is None:
+        import jax
+        return jax.default_backend() != "gpu"
+    return platform.interpret
+
+
 def only_on(backend: str, why: str) -> Callable[[Platform], str | None]:
     return lambda platform: None if platform.backend == backend else why
 

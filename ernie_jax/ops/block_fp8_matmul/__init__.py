@@ -7,7 +7,7 @@ capability 8.9+), then the XLA reference (quant.fp8_linear in w8a8 mode), which 
 
 from __future__ import annotations
 
-from ernie_jax.ops.base import Implementation, Op, Platform, kernel_platform, note_fallback
+from ernie_jax.ops.base import Implementation, Op, Platform, interpret, kernel_platform, note_fallback
 from ernie_jax.ops.block_fp8_matmul.pallas_triton import BK, block_fp8_matmul_pallas
 from ernie_jax.quant import BlockFP8, fp8_linear
 
@@ -17,7 +17,7 @@ def reference(x, w_q, w_scale, k_major: bool = False, platform: Platform | None 
 
 
 def _pallas(x, w_q, w_scale, k_major: bool = False, platform: Platform | None = None):
-    return block_fp8_matmul_pallas(x, w_q, w_scale, k_major, interpret=platform is None or platform.interpret)
+    return block_fp8_matmul_pallas(x, w_q, w_scale, k_major, interpret=interpret(platform))
 
 
 OP = Op("block_fp8_matmul", (

@@ -7,7 +7,7 @@ the XLA reference (quant.fp8_ragged_dot in w8a8 mode).
 
 from __future__ import annotations
 
-from ernie_jax.ops.base import Implementation, Op, Platform, kernel_platform, note_fallback
+from ernie_jax.ops.base import Implementation, Op, Platform, interpret, kernel_platform, note_fallback
 from ernie_jax.ops.block_fp8_matmul.pallas_triton import BK
 from ernie_jax.ops.grouped_fp8_matmul.pallas_triton import grouped_block_fp8_matmul_pallas
 from ernie_jax.quant import BlockFP8, fp8_ragged_dot
@@ -20,7 +20,7 @@ def reference(x, w_q, w_scale, group_sizes, k_major: bool = False, platform: Pla
 
 def _pallas(x, w_q, w_scale, group_sizes, k_major: bool = False, platform: Platform | None = None):
     return grouped_block_fp8_matmul_pallas(x, w_q, w_scale, group_sizes, k_major,
-                                           interpret=platform is None or platform.interpret)
+                                           interpret=interpret(platform))
 
 
 OP = Op("grouped_fp8_matmul", (

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from ernie_jax.ops.base import Implementation, Op, Platform, kernel_platform, note_fallback
+from ernie_jax.ops.base import Implementation, Op, Platform, interpret, kernel_platform, note_fallback
 from ernie_jax.ops.grouped_int_matmul.pallas_triton import grouped_int_matmul_pallas
 from ernie_jax.ops.int_weight_matmul import kernel_limit
 from ernie_jax.quant import IntWeight, int_ragged_dot
@@ -22,7 +22,7 @@ def reference(x, w: IntWeight, group_sizes, platform: Platform | None = None):
 def _pallas(x, w: IntWeight, group_sizes, platform: Platform | None = None):
     return grouped_int_matmul_pallas(x, w.values, w.scales, group_sizes, bits=w.bits, group=w.group, rows=w.rows,
                                      w4a8=w.compute == "w4a8",
-                                     interpret=platform is None or platform.interpret).astype(jnp.float32)
+                                     interpret=interpret(platform)).astype(jnp.float32)
 
 
 OP = Op("grouped_int_matmul", (

@@ -8,7 +8,7 @@ say so.
 
 from __future__ import annotations
 
-from ernie_jax.ops.base import Implementation, Op, Platform, kernel_platform, note_fallback
+from ernie_jax.ops.base import Implementation, Op, Platform, interpret, kernel_platform, note_fallback
 from ernie_jax.ops.int_weight_matmul.pallas_triton import int_weight_matmul_pallas, k_step
 from ernie_jax.quant import IntWeight, int_linear
 
@@ -19,7 +19,7 @@ def reference(x, w: IntWeight, platform: Platform | None = None):
 
 def _pallas(x, w: IntWeight, platform: Platform | None = None):
     return int_weight_matmul_pallas(x, w.values, w.scales, bits=w.bits, group=w.group, rows=w.rows,
-                                    w4a8=w.compute == "w4a8", interpret=platform is None or platform.interpret)
+                                    w4a8=w.compute == "w4a8", interpret=interpret(platform))
 
 
 OP = Op("int_weight_matmul", (

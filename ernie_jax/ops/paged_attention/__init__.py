@@ -14,7 +14,7 @@ from typing import Callable
 
 import jax.numpy as jnp
 
-from ernie_jax.ops.base import Implementation, Op, Platform, kernel_platform, note_fallback, only_on
+from ernie_jax.ops.base import Implementation, Op, Platform, interpret, kernel_platform, note_fallback, only_on
 from ernie_jax.ops.paged_attention.pallas_triton import paged_attention_pallas
 from ernie_jax.ops.paged_attention.reference import blocked_attention
 from ernie_jax.ops.paged_attention.storage import BF16_BITS
@@ -26,7 +26,7 @@ def _pallas(q, k_pool, v_pool, k_scale, v_scale, tables, positions, *, block_slo
         raise ValueError("the paged attention kernel reads bf16 or fp8 pools, not uint16 bits (storage.py)")
     B, T, N, D = q.shape
     return paged_attention_pallas(q, k_pool, v_pool, k_scale, v_scale, tables, positions,
-                                  interpret=platform is None or platform.interpret).reshape(B, T, N * D)
+                                  interpret=interpret(platform)).reshape(B, T, N * D)
 
 
 def _xla_cpu(*args, block_slots, constrain, platform):
