@@ -21,7 +21,7 @@ from ernie_jax.checkpoint.plan import CheckpointPlan, stack
 from ernie_jax.checkpoint.safetensors_io import CheckpointError
 from ernie_jax.config import ErnieConfig
 from ernie_jax.model.weights import F32_LEAVES, quantize_weights
-from ernie_jax.quant import COMPUTE_MODES, SCHEMES, BlockFP8, check_group, is_quantized
+from ernie_jax.quant import COMPUTE_MODES, BlockFP8, check_scheme, is_quantized
 
 
 def _host_dtype(dtype) -> np.dtype:
@@ -104,14 +104,9 @@ def read_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *, quantization
                     fp8_compute: str = "w8a8", quant_group_size: int = -1) -> tuple[ErnieConfig, dict[str, Any]]:
     """A checkpoint folder's config and weights pytree in host memory (numpy), converted as load_pretrained
     describes but not yet on any device: the caller places it, e.g. once per submesh."""
-    if quantization not in (None, *SCHEMES):
-        raise ValueError(f"quantization={quantization!r}: expected None or one of {SCHEMES}")
+    check_scheme(quantization, quant_group_size)
     if fp8_compute not in COMPUTE_MODES:
         raise ValueError(f"fp8_compute={fp8_compute!r}: expected one of {COMPUTE_MODES}")
-    if quant_group_size != -1:
-        if quantization != "wint4":
-            raise ValueError(f"quant_group_size={quant_group_size}: group-wise scales apply to wint4 only")
-        check_group(4, quant_group_size)
     path = os.fspath(path)
     cfg = ErnieConfig.from_pretrained(path)
     if is_orbax_checkpoint(path):

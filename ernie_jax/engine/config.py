@@ -13,7 +13,7 @@ from typing import Any
 from ernie_jax.engine.expert_balance import EPLBConfig
 from ernie_jax.engine.policy import PDPolicy
 from ernie_jax.engine.speculative import SpeculativeConfig
-from ernie_jax.quant import SCHEMES, check_group
+from ernie_jax.quant import check_scheme
 
 DTYPES = ("bfloat16", "bf16", "float32", "fp32")
 KERNELS = ("auto", "pallas", "xla")
@@ -97,13 +97,7 @@ class EngineConfig:
         s, c, load = self.scheduler, self.cache, self.load
         if load.dtype not in DTYPES:
             raise ValueError(f"dtype {load.dtype!r} is not one of {list(DTYPES)}")
-        if load.quantization is not None and load.quantization not in SCHEMES:
-            raise ValueError(f"quantization {load.quantization!r} is not one of {list(SCHEMES)}")
-        if load.quant_group_size != -1:
-            if load.quantization != "wint4":
-                raise ValueError(f"quant_group_size={load.quant_group_size}: group-wise scales apply to "
-                                 f"quantization='wint4' only (quantization is {load.quantization!r})")
-            check_group(4, load.quant_group_size)
+        check_scheme(load.quantization, load.quant_group_size)
         if load.kernels not in KERNELS:
             raise ValueError(f"kernels {load.kernels!r} is not one of {list(KERNELS)}")
         if self.parallel.sharding not in SHARDINGS:

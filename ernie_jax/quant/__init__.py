@@ -8,7 +8,7 @@
 from ernie_jax.config import QUANTIZATION_SCHEMES as SCHEMES
 from ernie_jax.quant.block_fp8 import (COMPUTE_MODES, FP8, FP8_MAX, BlockFP8, dequantize, fp8_linear, fp8_ragged_dot,
                                        quantize_activations, quantize_block_fp8, scale_shape)
-from ernie_jax.quant.int_weights import (INT_COMPUTE, IntWeight, check_group, dequantize_int, int_linear,
+from ernie_jax.quant.int_weights import (INT_COMPUTE, IntWeight, check_group, check_scheme, dequantize_int, int_linear,
                                          int_ragged_dot, int_values, packed_rows, quantize_int, scale_rows)
 
 QUANTIZED = (BlockFP8, IntWeight)
@@ -19,6 +19,6 @@ def is_quantized(x) -> bool:
 
 
 __all__ = ["COMPUTE_MODES", "FP8", "FP8_MAX", "INT_COMPUTE", "QUANTIZED", "SCHEMES", "BlockFP8", "IntWeight",
-           "check_group", "dequantize", "dequantize_int", "fp8_linear", "fp8_ragged_dot", "int_linear",
+           "check_group", "check_scheme", "dequantize", "dequantize_int", "fp8_linear", "fp8_ragged_dot", "int_linear",
            "int_ragged_dot", "int_values", "is_quantized", "packed_rows", "quantize_activations",
            "quantize_block_fp8", "quantize_int", "scale_rows", "scale_shape"]

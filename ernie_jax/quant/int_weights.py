@@ -85,6 +85,18 @@ def check_group(bits: int, group: int, compute: str = "weight_only") -> None:
                          "applies to wint4")
 
 
+def check_scheme(scheme: str | None, group: int = -1) -> None:
+    """Refuse a `quantization` / `quant_group_size` pair that names no scheme, naming the setting."""
+    from ernie_jax.config import QUANTIZATION_SCHEMES
+    if scheme is not None and scheme not in QUANTIZATION_SCHEMES:
+        raise ValueError(f"quantization={scheme!r}: expected None or one of {QUANTIZATION_SCHEMES}")
+    if group != -1:
+        if scheme != "wint4":
+            raise ValueError(f"quant_group_size={group}: group-wise scales apply to quantization='wint4' only "
+                             f"(quantization is {scheme!r})")
+        check_group(4, group)
+
+
 def _pack_int4(q: np.ndarray) -> np.ndarray:
     """int8 values in [-8, 7] [..., K, N] -> packed [..., ceil(K/2), N] (row 2j low nibble, 2j+1 high)."""
     if q.shape[-2] % 2:
