@@ -20,6 +20,7 @@ import ml_dtypes
 import numpy as np
 
 from converters.rewrite import open_plan, rewrite, tensor_roles
+from ernie_jax.checkpoint.safetensors_io import CheckpointError
 from ernie_jax.model.weights import EXPERT_LEAVES, F32_LEAVES, QUANTIZABLE, int_format
 from ernie_jax.quant import SCHEMES, check_group, packed_rows, quantize_int, scale_rows
 
@@ -76,6 +77,10 @@ def convert(src: str, dst: str, scheme: str, group: int = -1, quiet: bool = Fals
     quantized = sorted(k for k, (storage, _) in roles.items() if storage != "float")
     if quantized:
         raise SystemExit(f"{src} is already quantized (e.g. {quantized[0]}); quantize_int takes a BF16 checkpoint")
+    try:
+        plan.check_groups(scheme, group)
+    except CheckpointError as e:
+        raise SystemExit(f"--group-size: {e}") from None
     rewrite(src, dst, plan, _ToInt(roles, scheme, group), quantization_config(scheme, group), "quantize_int", quiet)
 
 

@@ -29,7 +29,8 @@ import pytest  # noqa: E402
 # cache): these cases run only under `make test-all` (-m ""). Each entry is a test and the parameter ids
 # that stay in the default suite (none: the whole test is slow); every other case of it is marked slow.
 SLOW_CASES: dict[str, tuple[str, ...]] = {
-    "test_int_quant.py::test_model_runs_through_the_integer_kernels": ("None",),
+    "test_int_quant.py::test_model_runs_through_the_integer_kernels": (),
+    "test_int_quant.py::test_sharded_equals_unsharded": ("wint4-16",),
     # every scheme at decode and prefill sizes by default; M = 7 and 64 under make test-all
     "test_int_quant.py::test_kernel_matches_its_reference": tuple(
         f"{s}-{m}" for s in ("8--1-weight_only", "4--1-weight_only", "4-64-weight_only", "4-128-weight_only",

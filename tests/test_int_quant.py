@@ -114,21 +114,28 @@ def test_converted_checkpoint_loads_bit_identically_to_load_time_quantization(tm
         assert np.abs(np.asarray(deq) - np.asarray(load_pretrained(tmp_path / "q", dtype=jnp.float32)(ids))).max() < 0.2
 
 
-def test_quantized_models_track_the_float_model_and_shard(golden):
+def test_quantized_models_track_the_float_model(golden):
     g = golden("shared_untied")
     src = GOLDEN / "shared_untied" / "paddle"
     ref = np.asarray(load_pretrained(src, dtype=jnp.float32)(g["input_ids"]))
     kl = {}
     for scheme, group in SCHEMES:
         model = load_pretrained(src, dtype=jnp.float32, quantization=scheme, quant_group_size=group)
-        out = np.asarray(model(g["input_ids"]))
-        kl[scheme, group] = logit_metrics(ref, out)["kl"]
-        if group != -1 or scheme == "w4a8":  # grouped int4 and the two formats of W4A8, placed on a mesh
-            sharded = load_pretrained(src, dtype=jnp.float32, quantization=scheme, quant_group_size=group,
-                                      mesh="data=1,expert=2,tensor=4")
-            np.testing.assert_allclose(np.asarray(sharded(g["input_ids"])), out, atol=2e-4)
+        kl[scheme, group] = logit_metrics(ref, np.asarray(model(g["input_ids"])))["kl"]
     # random weights of a 64-wide model: 8-bit stays close, 4-bit is coarse (measured 0.0008 / 0.13 / 0.006)
     assert kl["wint8", -1] < 0.005 and kl["w4a8", -1] < 0.03 and kl["wint4", -1] < 0.4
+
+
+@pytest.mark.parametrize("scheme,group", SCHEMES)
+def test_sharded_equals_unsharded(golden, scheme, group):
+    """Placed on a mesh (column and row splits of packed int4 rows and their scale groups; W4A8 experts under
+    expert parallelism) the logits equal one device's."""
+    g = golden("shared_untied")
+    src = GOLDEN / "shared_untied" / "paddle"
+    one = load_pretrained(src, dtype=jnp.float32, quantization=scheme, quant_group_size=group)
+    sharded = load_pretrained(src, dtype=jnp.float32, quantization=scheme, quant_group_size=group,
+                              mesh="data=1,expert=2,tensor=4")
+    np.testing.assert_allclose(np.asarray(sharded(g["input_ids"])), np.asarray(one(g["input_ids"])), atol=2e-4)
 
 
 def test_served_through_the_engine(golden):
@@ -152,6 +159,15 @@ def test_bad_input_names_the_problem(tmp_path):
         load_pretrained(src, quantization="wint8", quant_group_size=64)
     with pytest.raises(ValueError, match="positive even"):
         load_pretrained(src, quantization="wint4", quant_group_size=7)
+    # groups must tile every quantized linear's input rows (this model's dense FFN down has 96)
+    with pytest.raises(CheckpointError, match=r"quant_group_size=64 does not divide the 96 input rows of "
+                                              r"'ernie.layers.0.mlp.down_proj.weight'"):
+        load_pretrained(src, quantization="wint4", quant_group_size=64)
+    with pytest.raises(SystemExit, match="--group-size:.*does not divide the 96 input rows"):
+        quantize_int.convert(str(src), str(tmp_path / "g64"), "wint4", 64, quiet=True)
+    with pytest.raises(ValueError, match=r"does not divide the 96 input rows of mtp.layer.down \[96, 64\]"):
+        from ernie_jax.model.weights import quantize_weights
+        quantize_weights(load_pretrained(src).weights(), scheme="wint4", group=64)
     with pytest.raises(ValueError, match="quant_group_size=64"):
         LLM(str(src), quantization="w4a8", quant_group_size=64)
     # an already-quantized checkpoint is served as stored, never quantized twice

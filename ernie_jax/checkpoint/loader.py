@@ -29,8 +29,8 @@ def _host_dtype(dtype) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else np.dtype(jnp.dtype(dtype).name)
 
 
-def read_weights(path: str, cfg: ErnieConfig, dtype=jnp.bfloat16, quantization: str | None = None
-                 ) -> tuple[dict[str, Any], ErnieConfig]:
+def read_weights(path: str, cfg: ErnieConfig, dtype=jnp.bfloat16, quantization: str | None = None,
+                 quant_group_size: int = -1) -> tuple[dict[str, Any], ErnieConfig]:
     """Host (numpy) weights pytree of a safetensors checkpoint, and its config (MTP switched on or off by
     what the files carry). Everything is validated from the headers before any data is read, including
     that a load-time `quantization` has a BF16 checkpoint to quantize."""
@@ -40,6 +40,7 @@ def read_weights(path: str, cfg: ErnieConfig, dtype=jnp.bfloat16, quantization: 
               if storage in ("fp8", "int")]
     if stored:
         _refuse_requantizing(path, quantization, "fp8" if stored[0][1] == "fp8" else "integer", stored[0][0])
+    plan.check_groups(quantization, quant_group_size)
     np_dtype = _host_dtype(dtype)
     flat = {task.path: plan.read(task, np_dtype) for task in plan.tasks}
     return assemble(flat, plan.cfg), plan.cfg
@@ -118,7 +119,7 @@ def read_pretrained(path: str | os.PathLike, dtype=jnp.bfloat16, *, quantization
             example = next("/".join(map(str, p)) for p, v in flat.items() if is_quantized(v))
             _refuse_requantizing(path, quantization, _stored(weights), example)
     else:
-        weights, cfg = read_weights(path, cfg, dtype, quantization)
+        weights, cfg = read_weights(path, cfg, dtype, quantization, quant_group_size)
     if quantization is not None or _stored(weights) == "fp8":
         weights = quantize_weights(weights, fp8_compute, quantization or "fp8", quant_group_size)
     return cfg, weights

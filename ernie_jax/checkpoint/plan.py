@@ -19,7 +19,7 @@ import numpy as np
 from ernie_jax.checkpoint.layouts import DIM_MEANING, Layout, OneOf, Recipe, Src, detect_layout, dims
 from ernie_jax.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint
 from ernie_jax.config import ErnieConfig
-from ernie_jax.model.weights import EXPERT_LEAVES, F32_LEAVES, QUANTIZABLE, int_format, layer_shapes
+from ernie_jax.model.weights import EXPERT_LEAVES, F32_LEAVES, QUANTIZABLE, group_problem, int_format, layer_shapes
 from ernie_jax.quant import FP8_MAX, BlockFP8, IntWeight, packed_rows, scale_rows, scale_shape
 
 FLOAT_STORAGE = {"F32", "BF16", "U16", "F16", "F64"}
@@ -254,6 +254,19 @@ class CheckpointPlan:
                 arr = np.swapaxes(arr, -1, -2)
             parts.append(np.asarray(arr, dtype=dtype))
         return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
+
+    def check_groups(self, scheme: str | None, group: int) -> None:
+        """Before any data is read: raise naming the first stored linear whose input rows scale groups of
+        `group` (`scheme`'s 4-bit weights) do not tile."""
+        if scheme is None or scheme == "fp8":
+            return
+        for task in self.tasks:
+            if task.leaf not in QUANTIZABLE:
+                continue
+            for key, _, _, src in self.keys_of(task):
+                why = group_problem(int_format(scheme, task.leaf, group)[1], self.dims[src.shape[-2]], repr(key))
+                if why:
+                    raise CheckpointError(f"{self.path}: {why}")
 
     def nbytes(self) -> int:
         return sum(self.ckpt.info(k).nbytes for t in self.tasks for k, _, _, _ in self.keys_of(t)

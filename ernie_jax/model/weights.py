@@ -108,6 +108,16 @@ def int_format(scheme: str, leaf: str, group: int = -1) -> tuple[int, int, str]:
     raise ValueError(f"quantization={scheme!r}: expected one of {SCHEMES}")
 
 
+def group_problem(group: int, rows: int, name: str) -> str | None:
+    """Why scale groups of `group` input rows cannot quantize weight `name` of `rows` input rows, or None.
+    The integer format itself takes a partial last group (quant/int_weights.py), but a checkpoint's scale
+    groups must tile its linears exactly, as FastDeploy's do, so a shard of whole groups is a shard of rows."""
+    if group == -1 or rows % group == 0:
+        return None
+    return (f"quant_group_size={group} does not divide the {rows} input rows of {name}; choose a group size "
+            "that divides every quantized linear's input rows, or -1 (per output channel)")
+
+
 def abstract_weights(cfg: ErnieConfig, dtype=jnp.bfloat16, quantization: str | None = None,
                      group: int = -1) -> dict[str, Any]:
     """ShapeDtypeStructs for every leaf: for AOT compilation and memory plans without allocation."""
@@ -129,18 +139,21 @@ def quantize_weights(weights: dict[str, Any], compute: str = "w8a8", scheme: str
     """Quantize every QUANTIZABLE leaf under `scheme` ("fp8": block FP8 with `compute`; "wint8", "wint4",
     "w4a8": integer weights, int_format). Already block-FP8 leaves only get `compute` set; already-integer
     leaves are kept as they are."""
-    def walk(tree, name=""):
+    def walk(tree, name="", path=""):
         if isinstance(tree, dict):
-            return {k: walk(v, k) for k, v in tree.items()}
+            return {k: walk(v, k, f"{path}.{k}" if path else k) for k, v in tree.items()}
         if isinstance(tree, list):
-            return [walk(v, name) for v in tree]
+            return [walk(v, name, f"{path}[{i}]") for i, v in enumerate(tree)]
         if isinstance(tree, BlockFP8):
             return tree.with_compute(compute)
         if isinstance(tree, IntWeight) or name not in QUANTIZABLE:
             return tree
         if scheme == "fp8":
             return quantize_block_fp8(tree, compute=compute)
-        return quantize_int(tree, *int_format(scheme, name, group))
+        bits, g, mode = int_format(scheme, name, group)
+        if why := group_problem(g, tree.shape[-2], f"{path} {list(tree.shape)}"):
+            raise ValueError(why)
+        return quantize_int(tree, bits, g, mode)
     return walk(weights)
 
 
