@@ -32,7 +32,7 @@ QUESTIONS = ["Tell me about the sea.", "你好", "What do you think of Mr. Darcy
 def greedy_agreement(bf16: str, corpus: str | None, n: int, tokens: int) -> None:
     from ernie_jax import LLM, SamplingParams
     from ernie_jax.bench.mtp import _prompts
-    settings = dict(max_model_len=256, max_num_seqs=8)
+    settings = dict(max_model_len=512, max_num_seqs=8)
     sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
 
     def answers(**kw):

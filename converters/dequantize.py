@@ -17,7 +17,7 @@ import sys
 import ml_dtypes
 import numpy as np
 
-from converters.rewrite import open_plan, rewrite, tensor_roles
+from converters.rewrite import open_plan, rewrite, tensor_roles, with_quantization_config
 from ernie_jax.checkpoint.plan import CheckpointPlan
 
 
@@ -56,7 +56,7 @@ def convert(src: str, dst: str, quiet: bool = False) -> None:
     plan = open_plan(src, "dequantize")
     if not any(storage in ("fp8", "int") for storage, _ in tensor_roles(plan).values()):
         raise SystemExit(f"{src} holds no quantized tensors; nothing to dequantize")
-    rewrite(src, dst, plan, _ToBF16(plan), None, "dequantize", quiet)
+    rewrite(src, dst, plan, _ToBF16(plan), with_quantization_config(None), "dequantize", quiet)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from converters.rewrite import open_plan, rewrite, tensor_roles
+from converters.rewrite import open_plan, rewrite, tensor_roles, with_quantization_config
 from ernie_jax.model.weights import F32_LEAVES, QUANTIZABLE
 from ernie_jax.quant import quantize_block_fp8, scale_shape
 
@@ -55,7 +55,8 @@ def _roles(plan) -> dict[str, str]:
 
 def convert(src: str, dst: str, quant_dtype: str = "I8", quiet: bool = False) -> None:
     plan = open_plan(src, "quantize_fp8")
-    rewrite(src, dst, plan, _ToFP8(_roles(plan), quant_dtype), QUANT_CONFIG, "quantize_fp8", quiet)
+    rewrite(src, dst, plan, _ToFP8(_roles(plan), quant_dtype), with_quantization_config(QUANT_CONFIG), "quantize_fp8",
+            quiet)
 
 
 def main(argv: list[str] | None = None) -> int:

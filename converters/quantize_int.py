@@ -19,7 +19,7 @@ import sys
 import ml_dtypes
 import numpy as np
 
-from converters.rewrite import open_plan, rewrite, tensor_roles
+from converters.rewrite import open_plan, rewrite, tensor_roles, with_quantization_config
 from ernie_jax.checkpoint.safetensors_io import CheckpointError
 from ernie_jax.model.weights import EXPERT_LEAVES, F32_LEAVES, QUANTIZABLE, int_format
 from ernie_jax.quant import SCHEMES, check_group, packed_rows, quantize_int, scale_rows
@@ -81,7 +81,8 @@ def convert(src: str, dst: str, scheme: str, group: int = -1, quiet: bool = Fals
         plan.check_groups(scheme, group)
     except CheckpointError as e:
         raise SystemExit(f"--group-size: {e}") from None
-    rewrite(src, dst, plan, _ToInt(roles, scheme, group), quantization_config(scheme, group), "quantize_int", quiet)
+    rewrite(src, dst, plan, _ToInt(roles, scheme, group), with_quantization_config(quantization_config(scheme, group)),
+            "quantize_int", quiet)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,8 +3,8 @@
 `rewrite` walks the source's safetensors files in order; for every stored tensor a `Rewriter` says which
 tensors it becomes (names, safetensors dtypes, shapes; the header is written first) and then produces them,
 one source tensor at a time, so host memory stays near the largest tensor. The shard structure (file names,
-`mtp/` subfolder, index) and the side files (tokenizer, generation config) are kept; config.json gets the
-new `quantization_config` (or loses it). The output folder appears only when complete (DST.partial, renamed).
+`mtp/` subfolder, index) and the side files (tokenizer, generation config) are kept; config.json is the
+source's as `edit_config` changes it. The output folder appears only when complete (DST.partial, renamed).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -45,7 +45,15 @@ def open_plan(src: str, tool: str) -> CheckpointPlan:
     return plan
 
 
-def rewrite(src: str, dst: str, plan: CheckpointPlan, rewriter: Rewriter, quantization_config: dict | None,
+def with_quantization_config(quantization_config: dict | None) -> Callable[[dict], dict]:
+    """An `edit_config` that sets config.json's quantization_config (None: removes it)."""
+    def edit(config: dict) -> dict:
+        config = {k: v for k, v in config.items() if k != "quantization_config"}
+        return config if quantization_config is None else {**config, "quantization_config": dict(quantization_config)}
+    return edit
+
+
+def rewrite(src: str, dst: str, plan: CheckpointPlan, rewriter: Rewriter, edit_config: Callable[[dict], dict],
             label: str, quiet: bool = False) -> None:
     ckpt: SafetensorsCheckpoint = plan.ckpt
     tmp = dst.rstrip("/") + ".partial"
@@ -78,10 +86,7 @@ def rewrite(src: str, dst: str, plan: CheckpointPlan, rewriter: Rewriter, quanti
                           indent=2)
     _copy_side_files(src, tmp)
     with open(os.path.join(src, "config.json")) as f:
-        config = json.load(f)
-    config.pop("quantization_config", None)
-    if quantization_config is not None:
-        config["quantization_config"] = dict(quantization_config)
+        config = edit_config(json.load(f))
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     shutil.rmtree(dst, ignore_errors=True)

@@ -30,6 +30,8 @@ import pytest  # noqa: E402
 # that stay in the default suite (none: the whole test is slow); every other case of it is marked slow.
 SLOW_CASES: dict[str, tuple[str, ...]] = {
     "test_int_quant.py::test_model_runs_through_the_integer_kernels": (),
+    "test_converters.py::test_export_hf_equals_the_transformers_save": ("shared_untied",),
+    "test_converters.py::test_export_hf_of_the_fp8_release_equals_its_bf16_export": (),
     "test_int_quant.py::test_sharded_equals_unsharded": ("wint4-16",),
     # every scheme at decode and prefill sizes by default; M = 7 and 64 under make test-all
     "test_int_quant.py::test_kernel_matches_its_reference": tuple(

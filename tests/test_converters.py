@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -158,3 +159,39 @@ def test_dry_run_cli_json(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "converters.paddle_to_jax", "--src", str(tmp_path), "--dry-run"],
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "config.json" in bad.stderr
+
+
+@pytest.mark.parametrize("name", GOLDEN_MODELS)
+def test_export_hf_equals_the_transformers_save(golden, tmp_path, name):
+    """The HF-layout export of a Paddle checkpoint holds transformers' own save of the same model (bf16), plus
+    the MTP block unless dropped, and ernie_jax reads it back with the same logits."""
+    from converters import export_hf
+    from ernie_jax.checkpoint.safetensors_io import SafetensorsCheckpoint
+    src = GOLDEN / name / "paddle"
+    export_hf.convert(str(src), str(tmp_path / "hf"), drop_mtp=True, quiet=True)
+    ours, theirs = SafetensorsCheckpoint(str(tmp_path / "hf")), SafetensorsCheckpoint(str(GOLDEN / name / "hf"))
+    assert set(ours.keys()) == set(theirs.keys())
+    for key in theirs.keys():
+        want = np.asarray(theirs.read(key), np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+        np.testing.assert_array_equal(np.asarray(ours.read(key), np.float32), want, err_msg=key)
+    g = golden(name)
+    export_hf.convert(str(src), str(tmp_path / "hf-mtp"), quiet=True)
+    for folder in ("hf", "hf-mtp"):
+        got = load_pretrained(tmp_path / folder, dtype=jnp.float32)(g["input_ids"])
+        assert np.abs(np.asarray(got) - g["logits"]).max() < 1e-4
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 0
+
+
+def test_export_hf_of_the_fp8_release_equals_its_bf16_export(tmp_path):
+    """The embedded FP8 model through export_hf (dequantized, rounded once to bf16) and through
+    converters.dequantize (the Paddle layout) are the same weights: equal logits, and the MTP head too."""
+    from converters import dequantize, export_hf
+    from ernie_jax.assets import EMBEDDED_MODEL_DIR
+    export_hf.convert(EMBEDDED_MODEL_DIR, str(tmp_path / "hf"), quiet=True)
+    dequantize.convert(EMBEDDED_MODEL_DIR, str(tmp_path / "bf16"), quiet=True)
+    ids = np.array([[1, 300, 42, 77, 1500, 9]])
+    a, b = (load_pretrained(tmp_path / f, dtype=jnp.float32) for f in ("hf", "bf16"))
+    np.testing.assert_array_equal(np.asarray(a(ids)), np.asarray(b(ids)))
+    np.testing.assert_array_equal(np.asarray(a.mtp_logits(ids)), np.asarray(b.mtp_logits(ids)))
+    for f in ("tokenizer.model", "tokenizer_config.json", "generation_config.json"):
+        assert (tmp_path / "hf" / f).is_file()
