@@ -326,8 +326,7 @@ def _pd_server(engine, args):
 def _log_startup(llm, model_dir: str, args) -> None:
     from ernie_jax.engine.report import startup_lines
     cfg = llm.model.config
-    q = "block-FP8" if any(getattr(leaf, "dtype", None) is not None and "float8" in str(leaf.dtype)
-                           for leaf in _leaves(llm.model)) else args.dtype
+    q = " + ".join(_weight_formats(llm.model)) or args.dtype
     log.info("loaded %s: %d layers (%d MoE, %d experts top-%d), hidden %d, vocab %d, weights %s, KV cache %s",
              model_dir, cfg.num_hidden_layers, cfg.num_moe_layers, cfg.moe_num_experts, cfg.moe_k, cfg.hidden_size,
              cfg.vocab_size, q, args.kv_cache_dtype)
@@ -336,9 +335,13 @@ def _log_startup(llm, model_dir: str, args) -> None:
     log.info("start-up: %s", ", ".join(f"{phase} {sec:.1f} s" for phase, sec in llm.startup_phases.items()))
 
 
-def _leaves(model):
+def _weight_formats(model) -> list[str]:
+    """The quantized formats the model's linears are in ("block-FP8", "wint4", ...), or none."""
     import jax
-    return jax.tree.leaves(model.weights())
+
+    from ernie_jax.quant import BlockFP8, is_quantized
+    leaves = [x for x in jax.tree.leaves(model.weights(), is_leaf=is_quantized) if is_quantized(x)]
+    return sorted({"block-FP8" if isinstance(x, BlockFP8) else x.scheme for x in leaves})
 
 
 if __name__ == "__main__":
