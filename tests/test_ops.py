@@ -132,7 +132,7 @@ def test_split_kv_decode_attention():
     softmaxes: with sequences of very different lengths (some splits past a sequence's end hold nothing)
     and a padding row, the unsplit reference's result."""
     from ernie_jax.ops.paged_attention.pallas_triton import kv_splits
-    B, N, K, D, P, page, n = 2, 8, 2, 64, 20, 8, 8
+    B, N, K, D, P, page, n = 2, 8, 2, 64, 20, 16, 8
     assert kv_splits(B, K, n) == n  # a split per page here
     rng = np.random.default_rng(7)
     q = jnp.asarray(rng.standard_normal((B + 1, N, D)), jnp.float32)
@@ -144,6 +144,22 @@ def test_split_kv_decode_attention():
     out = paged_decode(q, kp, vp, None, None, tables, lengths, PALLAS)
     ref = paged_decode(q, kp, vp, None, None, tables, lengths, "xla")
     assert _rel(out[:2], ref[:2]) < 1e-5 and np.isfinite(np.asarray(out)).all()
+
+
+def test_small_pages_take_the_xla_attention_and_say_so():
+    """The kernel's score and value products are page-wide: pages under 16 slots (below the MMA tile) take the
+    next implementation, noted once, with the same result."""
+    from ernie_jax.ops import base
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((2, 1, 4, 64)), jnp.float32)
+    kp, vp = (jnp.asarray(rng.standard_normal((9, 8, 2, 64)), jnp.float32) for _ in range(2))
+    tables = jnp.asarray([[1, 3, 5, 7], [2, 4, 6, 8]], jnp.int32)
+    positions = jnp.asarray([[20], [9]], jnp.int32)
+    out = paged_attention(q, kp, vp, None, None, tables, positions, implementation=PALLAS, platform=Platform("cpu"))
+    ref = paged_attention(q, kp, vp, None, None, tables, positions, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+    assert ("paged_attention", PALLAS, "pages of 8 key slots (the kernel's score and value products need 16 or "
+            "more)") in base.FALLBACKS
 
 
 @pytest.mark.parametrize("impl", ["xla", "xla_cpu"])

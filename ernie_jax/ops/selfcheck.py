@@ -45,7 +45,8 @@ def _grouped_int_case(rng):
 
 
 def _attention_case(rng):
-    B, T, N, K, D, P, page = 2, 3, 4, 2, 64, 9, 4
+    # pages of 16 slots, the engine's default block size (smaller pages take the XLA path: paged_attention)
+    B, T, N, K, D, P, page = 2, 3, 4, 2, 64, 9, 16
     q = jnp.asarray(rng.standard_normal((B, T, N, D)), jnp.bfloat16)
     kv = [jnp.asarray(rng.standard_normal((P, page, K, D)), jnp.bfloat16) for _ in range(2)]
     tables = jnp.asarray([[1, 3, 5, 7], [2, 4, 6, 8]], jnp.int32)

@@ -47,9 +47,11 @@ OP = Op("paged_attention", (
 def paged_attention(q, k_pool, v_pool, k_scale, v_scale, tables, positions, *, implementation: str = "xla",
                     block_slots: int | None = 64, constrain: Callable = lambda x: x,
                     platform: Platform | None = None):
-    D = q.shape[-1]
-    if OP.get(implementation).kernel and D & (D - 1):  # Triton tiles are powers of two
-        note_fallback(OP.name, implementation, f"head dim {D} is not a power of two")
+    D, page = q.shape[-1], k_pool.shape[1]
+    why = f"head dim {D} is not a power of two" if D & (D - 1) else \
+        f"pages of {page} key slots (the kernel's score and value products need 16 or more)" if page < 16 else None
+    if OP.get(implementation).kernel and why:  # Triton tiles are powers of two, MMA operands 16 wide or more
+        note_fallback(OP.name, implementation, why)
         implementation = OP.choose(platform, after=implementation)[0] if platform is not None else "xla"
     return OP.get(implementation).fn(q, k_pool, v_pool, k_scale, v_scale, tables, positions,
                                      block_slots=block_slots, constrain=constrain, platform=platform)
