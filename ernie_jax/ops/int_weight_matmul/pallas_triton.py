@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from ernie_jax.ops.block_fp8_matmul.pallas_triton import _block_m, _round_up
+from ernie_jax.quant.int_weights import quantize_activations_int8
 
 BN = 128
 
@@ -77,7 +78,6 @@ def prepare(x, values, scales, *, bits: int, rows: int, S: int, bm: int, w4a8: b
     """Zero-padded operands: x's rows to the row tile, K to whole steps (4-bit: split into even and odd
     columns), N to whole column tiles. W4A8 quantizes x per token first. -> (x operands, values, scales,
     row scales [Mp, 1] f32 or None)."""
-    from ernie_jax.quant.int_weights import quantize_activations_int8
     M, N = x.shape[0], values.shape[-1]
     Mp, Kp, Np = _round_up(M, bm), _round_up(rows, S), _round_up(N, BN)
     xs = None
