@@ -142,7 +142,7 @@ def test_served_through_the_engine(golden):
     g = golden("shared_untied")
     src = str(GOLDEN / "shared_untied" / "paddle")
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    llm = LLM(src, dtype="float32", quantization="wint4", quant_group_size=16, max_model_len=32, max_num_seqs=2,
+    llm = LLM(src, dtype="float32", quantization="wint4", quant_group_size=16, max_model_len=32, max_num_seqs=1,
               max_num_batched_tokens=16)
     out = llm.generate(prompt_token_ids=g["greedy_prompt"].tolist(), sampling_params=params)
     # the engine's greedy tokens are the quantized model's own argmax at every position (one causal forward)
