@@ -22,10 +22,8 @@ import numpy as np
 from converters.rewrite import open_plan, rewrite, tensor_roles, with_quantization_config
 from ernie_jax.checkpoint.safetensors_io import CheckpointError
 from ernie_jax.model.weights import EXPERT_LEAVES, F32_LEAVES, QUANTIZABLE, int_format
-from ernie_jax.quant import SCHEMES, check_group, packed_rows, quantize_int, scale_rows
-
-INT_SCHEMES = tuple(s for s in SCHEMES if s != "fp8")
-
+from ernie_jax.config import INT_SCHEMES
+from ernie_jax.quant import check_group, packed_rows, quantize_int, scale_rows
 
 class _ToInt:
     def __init__(self, roles: dict[str, tuple[str, str]], scheme: str, group: int):

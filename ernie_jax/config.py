@@ -19,6 +19,7 @@ class ConfigError(ValueError):
 
 # What `--quantization` takes (FastDeploy's names): block_wise_fp8 as "fp8", weight-only int8 / int4, W4A8 experts.
 QUANTIZATION_SCHEMES = ("fp8", "wint8", "wint4", "w4a8")
+INT_SCHEMES = QUANTIZATION_SCHEMES[1:]  # the integer ones (quant/int_weights.py)
 
 
 @dataclasses.dataclass(frozen=True)

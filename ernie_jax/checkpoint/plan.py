@@ -18,14 +18,13 @@ import numpy as np
 
 from ernie_jax.checkpoint.layouts import DIM_MEANING, Layout, OneOf, Recipe, Src, detect_layout, dims
 from ernie_jax.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint
-from ernie_jax.config import ErnieConfig
+from ernie_jax.config import INT_SCHEMES, ErnieConfig
 from ernie_jax.model.weights import EXPERT_LEAVES, F32_LEAVES, QUANTIZABLE, group_problem, int_format, layer_shapes
 from ernie_jax.quant import FP8_MAX, BlockFP8, IntWeight, packed_rows, scale_rows, scale_shape
 
 FLOAT_STORAGE = {"F32", "BF16", "U16", "F16", "F64"}
 FP8_STORAGE = {"I8", "U8", "F8_E4M3"}
 INT_STORAGE = {"I8"}
-INT_SCHEMES = ("wint8", "wint4", "w4a8")
 
 
 @dataclasses.dataclass(frozen=True)
