@@ -242,7 +242,7 @@ def correctness(big: bool) -> int:
     return failures
 
 
-def end_to_end(preset: str, batches: list[int], new_tokens: int) -> None:
+def end_to_end(preset: str, batches: list[int], new_tokens: int):
     """A random-weight model through LLM(...): greedy decode tok/s per batch size against the HBM roofline."""
     from ernie_jax import LLM, ErnieConfig, ErnieForCausalLM, SamplingParams
     from ernie_jax.model.weights import leaf_dtype, param_counts, weight_shapes
@@ -259,7 +259,10 @@ def end_to_end(preset: str, batches: list[int], new_tokens: int) -> None:
     weights = jax.tree_util.tree_map_with_path(draw, weight_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple) and
                                                all(isinstance(d, int) for d in x))
     model = ErnieForCausalLM(cfg, weights, dtype=jnp.bfloat16)
-    llm = LLM(model, max_num_seqs=max(batches), max_model_len=1024, max_num_batched_tokens=512)
+    # a pool for the batches run (twice their pages): sized from free memory, the pool left the first step no
+    # room for its temporaries on the H200 (out of memory allocating 25.8 GiB; 2026-12-04)
+    llm = LLM(model, max_num_seqs=max(batches), max_model_len=1024, max_num_batched_tokens=512,
+              num_gpu_blocks_override=2 * max(batches) * 1024 // 16 + 1)
     print(f"\n{preset}: random bf16 weights and engine ready in {time.perf_counter() - t0:.0f} s; ops:",
           model.execution.describe())
     active_bytes = 2 * param_counts(cfg)["active"]
@@ -286,6 +289,7 @@ def end_to_end(preset: str, batches: list[int], new_tokens: int) -> None:
         ms = {k: 1e3 * v for k, v in r.items() if k not in ("streams", "tok_s")}
         print(f"| {B} | {ms['wall']:.2f} | {ms['plan']:.2f} | {ms['inputs']:.2f} | {ms['launch']:.2f} | "
               f"{ms['read']:.2f} | {ms['update']:.2f} | {ms['device']:.2f} | {r['tok_s']:.0f} |", flush=True)
+    return llm
 
 
 def main() -> int:

@@ -146,6 +146,20 @@ def test_split_kv_decode_attention():
     assert _rel(out[:2], ref[:2]) < 1e-5 and np.isfinite(np.asarray(out)).all()
 
 
+@pytest.mark.parametrize("impl", [PALLAS, "xla_cpu", "xla"])
+def test_padding_positions_attend_to_nothing_and_give_zero(impl):
+    """A padding position (-1) sees no key: every implementation returns 0 there, so the kernel's start-up
+    self-check case (a padding row in its batch; it failed on an H200 comparing two arbitrary averages of
+    masked slots, max relative error 0.302) compares defined rows, and passes in the interpreter."""
+    from ernie_jax.ops import selfcheck
+    args = selfcheck._attention_case(np.random.default_rng(0))
+    out = np.asarray(paged_attention(*args, implementation=impl, platform=Platform("cpu")), np.float32)
+    ref = np.asarray(paged_attention(*args, implementation="xla"), np.float32)
+    positions = np.asarray(args[-1])
+    assert not out[positions < 0].any() and out[positions >= 0].all(axis=-1).any()
+    assert _rel(out, ref) <= selfcheck.TOLERANCE
+
+
 def test_small_pages_take_the_xla_attention_and_say_so():
     """The kernel's score and value products are page-wide: pages under 16 slots (below the MMA tile) take the
     next implementation, noted once, with the same result."""

@@ -3,7 +3,9 @@
 q [B,T,N,D] at positions [B,T] (-1: padding); k_pool, v_pool [P,page,K,D] (bf16, its uint16 bits
 (storage.py), or fp8 with scales [P,page,K]); tables [B,n] -> [B,T,N*D] in q's dtype. Implementations,
 preferred first: the Pallas-Triton kernel (GPU), the XLA:CPU block-diagonal decode form (xla_cpu.py), the
-XLA reference (reference.py: blocked online softmax, slots grouped by KV head).
+XLA reference (reference.py: blocked online softmax, slots grouped by KV head). A padding position's
+output is 0 in every implementation (it sees no key; left alone, each form would average whatever its
+masked blocks held, and the kernel's self-check would compare two arbitrary rows: it failed on the H200).
 `block_slots`: key slots per step of the XLA forms' loop (None: the whole table in one block, what a mesh
 needs; `constrain` then pins each gathered block's sharding).
 """
@@ -21,20 +23,25 @@ from ernie_jax.ops.paged_attention.storage import BF16_BITS
 from ernie_jax.ops.paged_attention.xla_cpu import paged_attention_xla_cpu
 
 
+def _zero_padding(out, positions):  # out [B,T,N*D]
+    return jnp.where(positions[..., None] >= 0, out, jnp.zeros((), out.dtype))
+
+
 def _pallas(q, k_pool, v_pool, k_scale, v_scale, tables, positions, *, block_slots, constrain, platform):
     if k_pool.dtype == jnp.dtype(BF16_BITS):
         raise ValueError("the paged attention kernel reads bf16 or fp8 pools, not uint16 bits (storage.py)")
     B, T, N, D = q.shape
-    return paged_attention_pallas(q, k_pool, v_pool, k_scale, v_scale, tables, positions,
-                                  interpret=interpret(platform)).reshape(B, T, N * D)
+    out = paged_attention_pallas(q, k_pool, v_pool, k_scale, v_scale, tables, positions,
+                                 interpret=interpret(platform)).reshape(B, T, N * D)
+    return _zero_padding(out, positions)
 
 
 def _xla_cpu(*args, block_slots, constrain, platform):
-    return paged_attention_xla_cpu(*args, block_slots=block_slots, constrain=constrain)
+    return _zero_padding(paged_attention_xla_cpu(*args, block_slots=block_slots, constrain=constrain), args[-1])
 
 
 def _reference(*args, block_slots, constrain, platform):
-    return blocked_attention(*args, block_slots=block_slots, constrain=constrain)
+    return _zero_padding(blocked_attention(*args, block_slots=block_slots, constrain=constrain), args[-1])
 
 
 OP = Op("paged_attention", (
