@@ -259,10 +259,11 @@ def end_to_end(preset: str, batches: list[int], new_tokens: int):
     weights = jax.tree_util.tree_map_with_path(draw, weight_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple) and
                                                all(isinstance(d, int) for d in x))
     model = ErnieForCausalLM(cfg, weights, dtype=jnp.bfloat16)
-    # a pool for the batches run (twice their pages): sized from free memory, the pool left the first step no
-    # room for its temporaries on the H200 (out of memory allocating 25.8 GiB; 2026-12-04)
-    llm = LLM(model, max_num_seqs=max(batches), max_model_len=1024, max_num_batched_tokens=512,
-              num_gpu_blocks_override=2 * max(batches) * 1024 // 16 + 1)
+    # the pool sized from device memory, as a user's would be (before the pool left room for the programs'
+    # temporaries, the first prefill ran out of memory here: 25.8 GiB short on an H200, 2026-12-04)
+    llm = LLM(model, max_num_seqs=max(batches), max_model_len=1024, max_num_batched_tokens=512)
+    print(f"KV pool: {llm.engine.instances[0].programs.num_pages} pages "
+          f"({llm.engine.instances[0].programs.pool_sizing})", flush=True)
     print(f"\n{preset}: random bf16 weights and engine ready in {time.perf_counter() - t0:.0f} s; ops:",
           model.execution.describe())
     active_bytes = 2 * param_counts(cfg)["active"]

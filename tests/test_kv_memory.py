@@ -225,7 +225,33 @@ def test_pool_is_sized_from_device_memory_where_devices_report_it():
     assert pages_in_memory(gpus, 1_000, 0.9) == 40  # the fullest device decides: 0.9 x 100k - 50k
     assert pages_in_memory(gpus, 1_000, 0.4) == 0
     assert pages_in_memory([Device(None)], 1_000, 0.9) is None  # XLA:CPU reports no limit
+    assert pages_in_memory(gpus, 1_000, 0.9, reserve=20_000) == 20  # less the programs' temporaries
     with pytest.raises(ValueError, match="report no memory limit"):
         LLM(golden_model(), max_model_len=64, gpu_memory_utilization=0.5)
     with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
         LLM(golden_model(), max_model_len=64, gpu_memory_utilization=1.5)
+
+
+def test_pool_leaves_room_for_the_heaviest_programs_temporaries(monkeypatch):
+    """Sized from device memory, the pool leaves room for what the instance's heaviest programs (the prefill
+    bucket with the most tokens, the largest decode batch) allocate while they run: XLA's temporaries, from a
+    compile against a probe pool. On an H200 a 21B-A3B pool that took 0.9 of the memory beside the weights
+    left its first prefill 25.8 GiB short."""
+    from ernie_jax.engine import pool_sizing
+    from ernie_jax.engine.config import CacheConfig
+    from ernie_jax.engine.programs import ModelPrograms
+    seen = {}
+    real = pool_sizing.pages_in_memory
+
+    def pages_in_memory(devices, page_bytes, utilization, reserve=0):
+        seen.update(page_bytes=page_bytes, reserve=reserve)
+        return real(devices, page_bytes, utilization, reserve)
+    monkeypatch.setattr(pool_sizing, "memory_stats", lambda devices: [{"bytes_limit": 2**26, "bytes_in_use": 0}])
+    monkeypatch.setattr(pool_sizing, "pages_in_memory", pages_in_memory)
+    programs = ModelPrograms(golden_model(), "mixed", CacheConfig(), max_pages_per_seq=4,
+                             prefill_buckets=[(1, 16), (4, 16)], decode_buckets=[1, 2])
+    temps = {key: programs._lower(key).compile().memory_analysis().temp_size_in_bytes
+             for key in [("prefill", 1, 16), ("prefill", 4, 16), ("decode", 2, 1)]}
+    assert seen["reserve"] == max(temps[("prefill", 4, 16)], temps[("decode", 2, 1)]) > temps[("prefill", 1, 16)]
+    assert programs.num_pages == int((0.9 * 2**26 - seen["reserve"]) // seen["page_bytes"])
+    assert "temporaries" in programs.pool_sizing

@@ -80,18 +80,8 @@ class ModelPrograms:
         dtype = pool_dtype(KV_CACHE_DTYPES[cache.kv_cache_dtype] or model.dtype, self.execution.kv_bf16_bits)
         shardings = lambda c: c.shardings(self.plan) if self.plan is not None else \
             jax.tree.map(lambda _: self.replicated, c)  # noqa: E731
-        num_pages, self.pool_sizing = size_pool(
-            self.cfg, dtype=dtype, page_size=page_size, mtp=self.k > 0, shardings=shardings, devices=self.devices,
-            num_pages=num_pages, memory_utilization=cache.gpu_memory_utilization,
-            pages_without_memory_limit=pages_without_memory_limit, name=name)
-        self.num_pages = num_pages
-        self._new_cache = lambda: KVCache.create(self.cfg, num_pages, page_size, dtype, self.k > 0)
-        self.cache_shardings = shardings(jax.eval_shape(self._new_cache))
-        self.cache = jax.device_put(self._new_cache(), self.cache_shardings)
-        self.report: list[tuple[str, int, float]] = []
-        # Weights and pool as shapes and shardings: what lowering needs (the pool's buffers are donated).
-        self._abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                                      (self.weights, self.cache))
+        new_cache = lambda pages: KVCache.create(self.cfg, pages, page_size, dtype, self.k > 0)  # noqa: E731
+        self.cache_shardings = shardings(jax.eval_shape(lambda: new_cache(1)))  # the same for any page count
         w_shardings = jax.tree.map(lambda a: a.sharding, self.weights)
         build = functools.partial(step_program, self.cfg, self.plan, self.execution, w_shardings,
                                   self.cache_shardings, self.replicated, batch_invariant)
@@ -100,26 +90,52 @@ class ModelPrograms:
         else:
             self._jit = self._verify_jit = build()
         self._score_jit = build(kind="score")
-        # Programs by key (kind, B, T): kind "prefill", "decode" or "score" (a prefill chunk that returns its
-        # prompt logprobs; compiled on first use unless listed in score_buckets), B rows of T tokens (a decode
-        # row's T = 1 + the speculative tokens it verifies).
-        self._programs: dict[tuple[str, int, int], Any] = {}
-        self.shapes = ShapeTable()  # the compiled buckets
         extra = lambda B: ((B,),) if self.k else ()  # noqa: E731 -- next_tokens / max_accept
-        # Tracing and lowering a program costs about as much as loading it from the compilation cache, so
-        # each bucket is lowered by its own compile job, not all of them before the first one compiles.
-        lower = functools.partial(functools.partial, self._lower)
-        self._lowerings = {("prefill", B, T): lower(self._jit, B, T, extra(B), sampling=True)
-                           for B, T in prefill_buckets}
-        self._lowerings.update({("decode", B, self.k + 1): lower(self._verify_jit, B, self.k + 1, extra(B),
-                                                                   sampling=True) for B in decode_buckets})
-        self._lowerings.update({("score", 1, T): lower(self._score_jit, 1, T, extra=((1, T),))
-                                for T in score_buckets})
         # The largest single-chunk prefill and the largest decode batch serve any request (padded), so those
         # compile first; the rest compile in compile_rest() now, or behind a serving engine (take_rest()).
         largest = [("prefill", 1, max(T for _, T in prefill_buckets))] if prefill_buckets else []
         largest += [("decode", max(decode_buckets), self.k + 1)] if decode_buckets else []
         first = [k for k in largest if k[0] in startup_kinds]
+        weights_abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                                        self.weights)
+
+        def lowering(key, cache_abstract):
+            kind, B, T = key
+            jitted = {"prefill": self._jit, "decode": self._verify_jit, "score": self._score_jit}[kind]
+            return lower_step(jitted, weights_abstract, cache_abstract, self.replicated, B, T, self.max_pages,
+                              ((1, T),) if kind == "score" else extra(B), sampling=kind != "score")
+
+        # the buckets with the most tokens of each kind allocate the most while they run, beside their arguments
+        heaviest = [("prefill", *max(prefill_buckets, key=lambda bt: bt[0] * bt[1]))] if prefill_buckets else []
+        heaviest += [k for k in largest if k[0] == "decode"]
+
+        def temporaries(pages):
+            probe = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                 jax.eval_shape(lambda: new_cache(pages)), self.cache_shardings)
+            return max((lowering(key, probe).compile().memory_analysis().temp_size_in_bytes for key in heaviest),
+                       default=0)
+        num_pages, self.pool_sizing = size_pool(
+            self.cfg, dtype=dtype, page_size=page_size, mtp=self.k > 0, shardings=shardings, devices=self.devices,
+            num_pages=num_pages, memory_utilization=cache.gpu_memory_utilization,
+            pages_without_memory_limit=pages_without_memory_limit, name=name, temporaries=temporaries)
+        self.num_pages = num_pages
+        self._new_cache = functools.partial(new_cache, num_pages)
+        self.cache = jax.device_put(self._new_cache(), self.cache_shardings)
+        self.report: list[tuple[str, int, float]] = []
+        # Weights and pool as shapes and shardings: what lowering needs (the pool's buffers are donated).
+        cache_abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                                      self.cache)
+        # Programs by key (kind, B, T): kind "prefill", "decode" or "score" (a prefill chunk that returns its
+        # prompt logprobs; compiled on first use unless listed in score_buckets), B rows of T tokens (a decode
+        # row's T = 1 + the speculative tokens it verifies).
+        self._programs: dict[tuple[str, int, int], Any] = {}
+        self.shapes = ShapeTable()  # the compiled buckets
+        # Tracing and lowering a program costs about as much as loading it from the compilation cache, so
+        # each bucket is lowered by its own compile job, not all of them before the first one compiles.
+        keys = [("prefill", B, T) for B, T in prefill_buckets] + [("decode", B, self.k + 1) for B in decode_buckets]
+        keys += [("score", 1, T) for T in score_buckets]
+        self._lower = functools.partial(lowering, cache_abstract=cache_abstract)  # key -> Lowered
+        self._lowerings = {key: functools.partial(self._lower, key) for key in keys}
         self.pending = len(self._lowerings)  # buckets not compiled yet
         compile_all(self._jobs(first), self._publish)
 
@@ -171,9 +187,6 @@ class ModelPrograms:
 
     def executables(self, kind: str) -> list:
         return [exe for (k, _, _), exe in self._programs.items() if k == kind]
-
-    def _lower(self, jitted, B: int, T: int, extra: tuple = (), sampling: bool = False):
-        return lower_step(jitted, *self._abstract, self.replicated, B, T, self.max_pages, extra, sampling)
 
     def _program(self, key: tuple[str, int, int]):
         """The executable of a bucket. A follower process (multihost.py) may be asked for one its background
@@ -239,7 +252,7 @@ class ModelPrograms:
         if key not in self._programs:
             log.info("%s: compiling the prompt-scoring prefill for %d tokens on first use", self.name, T)
             t0 = time.perf_counter()
-            self._programs[key] = self._lower(self._score_jit, 1, T, extra=((1, T),)).compile()
+            self._programs[key] = self._lower(key).compile()
             self.report.append((f"{self.name} prefill+prompt_logprobs", T, time.perf_counter() - t0))
         ids, positions, logit_positions, block_tables, targets = self.put(
             (ids, positions, logit_positions, block_tables, targets))

@@ -209,8 +209,9 @@ def cpu_layout(weights: dict[str, Any], expert_groups: int = 1) -> dict[str, Any
     list of L per-layer pytrees (each leaf its own buffer, on the same devices and sharded like its stacked
     leaf), which forward() unrolls. XLA:CPU copies a layer's weights out of the stack on every step of a
     lax.scan (a dynamic slice feeding a matmul), which makes a bf16 decode step several times slower
-    (benchmarks/RESULTS.md, "CPU measurements behind design choices"); accelerators read the slice in place
-    and keep the scan.
+    (benchmarks/RESULTS.md, "CPU measurements behind design choices"). XLA:GPU copies the routed experts'
+    slice the same way (an H200 trace: RESULTS.md, "GPU check (H200)"); the GPU keeps the scan until
+    per-layer buffers can be made there without the stacked copy beside them.
 
     expert_groups > 1 (unsharded bf16/f32 routed experts; a divisor of E): each layer's [E, ...] expert
     leaves also become a tuple of that many [E/groups, ...] stacks (ops.routed_experts takes either
