@@ -86,6 +86,46 @@ def test_policy_targets():
         PDPolicy("dynamic", steal_step_fraction=2)
 
 
+def test_whole_instances_switch_roles_with_hysteresis():
+    """More than two PD instances (a router's deployment): queued prompts turn the least loaded decode
+    instance into a prefill instance when the other decode instances have seats for its requests; a loaded
+    decode side with nothing queued turns the least busy prefill instance into a decode one; no switch
+    reverses one made within `switch_dwell` seconds, each side keeps one instance, and two instances never
+    switch whole."""
+    def view(name, home, prefilling=0, running=0, backlog=0, step=0.0):
+        return InstanceView(name, home, prefilling, running, backlog, 8, 100, 100, step)
+    policy = PDPolicy("dynamic", switch_wait=1.0, switch_dwell=30.0)
+    p0, p1 = view("p0", "prefill", prefilling=4), view("p1", "prefill", prefilling=2)
+    d0, d1, d2 = view("d0", "decode", running=6), view("d1", "decode", running=2), view("d2", "decode", running=3)
+    # prompts queued 1.5 s: d1 (the least loaded) moves; d0 and d2 have 2 + 5 seats for its 2 requests
+    assert policy.instance_roles([p0, d0, d1, d2], 5, 1.5, 100.0, {}) == {"d1": "prefill"}
+    assert policy.instance_roles([p0, d0, d1, d2], 5, 0.5, 100.0, {}) == {}  # not queued long enough
+    # hysteresis: within switch_dwell of a switch to decode, none back to prefill; later, or after one the
+    # same way, it may
+    assert policy.instance_roles([p0, d0, d1, d2], 5, 1.5, 100.0, {"d1": (80.0, "decode")}) == {}
+    assert policy.instance_roles([p0, d0, d1, d2], 5, 1.5, 100.0, {"d1": (60.0, "decode")}) == {"d1": "prefill"}
+    assert policy.instance_roles([p0, p1, d0, d1, d2], 5, 1.5, 100.0, {"p1": (90.0, "prefill")}) == \
+        {"d1": "prefill"}
+    crowded = [p0, view("d0", "decode", running=8), view("d1", "decode", running=7)]
+    assert policy.instance_roles(crowded, 5, 9.0, 100.0, {}) == {}  # d0 has no seat for d1's 7 requests
+    assert PDPolicy("dynamic", ttft_target=1.0).instance_roles([p0, d0, d1, d2], 5, 0.6, 100.0, {}) == \
+        {"d1": "prefill"}  # with a TTFT target: half of it
+    # nothing queued and the decode side 3/4 full: the least busy prefill instance decodes
+    full = [p0, p1, view("d0", "decode", running=7), view("d1", "decode", running=5)]
+    assert policy.instance_roles(full, 0, 0.0, 100.0, {}) == {"p1": "decode"}
+    assert policy.instance_roles(full, 2, 0.1, 100.0, {}) == {}  # prompts queued: the gap between the rules
+    assert policy.instance_roles(full, 0, 0.0, 100.0, {"d2": (95.0, "prefill")}) == {}  # just switched the other way
+    assert policy.instance_roles([p0, p1, d0, d1], 0, 0.0, 100.0, {}) == {}  # 8 of 16 seats: not loaded
+    slow = [p0, p1, view("d0", "decode", running=2, step=0.03), d1]
+    assert PDPolicy("dynamic", tpot_target=0.05).instance_roles(slow, 0, 0.0, 100.0, {}) == {"p1": "decode"}
+    assert policy.instance_roles([p0, view("d0", "decode", running=8), view("d1", "decode", running=8)],
+                                 0, 0.0, 100.0, {}) == {}  # one prefill instance: it stays
+    assert policy.instance_roles([p0, d0], 9, 9.0, 100.0, {}) == {}  # two instances: the pair's rules
+    assert PDPolicy("static").instance_roles([p0, d0, d1, d2], 5, 9.0, 100.0, {}) == {}
+    with pytest.raises(ValueError, match="switch_decode_occupancy"):
+        PDPolicy("dynamic", switch_decode_occupancy=1.5)
+
+
 def test_role_switching_across_servers_uses_the_same_rules():
     """The router's choice for a new request (router/routing.whole_on) over two servers' published views:
     a role server's instance is "mixed" at home; the router gives it its role."""

@@ -5,7 +5,8 @@ import pytest
 
 from ernie_jax.engine.instance import StepRecord
 from ernie_jax.sim.__main__ import main
-from ernie_jax.sim.cost import FittedCost, H200Cost, _overlaps
+from ernie_jax.engine.policy import PDPolicy
+from ernie_jax.sim.cost import FittedCost, H200Cost, _overlaps, h800_cost
 from ernie_jax.sim.simulator import SimConfig, simulate
 from ernie_jax.sim.traces import TRACES, TraceRequest, make_trace
 
@@ -22,6 +23,39 @@ def test_every_request_finishes_with_its_output_length_and_no_page_leaks(trace):
             assert not r.role_switches and {p for p, _ in r.pd_requests} == {"prefill"}
         if mode == "dynamic" and trace == "shifting":
             assert r.role_switches
+
+
+def test_instances_behind_a_router_switch_whole_roles_under_shifting_load():
+    """Four H800 nodes, an instance each: the dynamic policy turns whole instances between prefill and decode
+    as the shifting trace moves between prompt-heavy and decode-heavy phases (no switch reversing one within
+    the dwell time, each side keeping one instance); static roles never move; colocated runs mixed
+    instances; every request finishes with its length."""
+    cost = h800_cost()
+    reqs = make_trace("shifting", 60.0, 160, seed=2)
+    pd = (("prefill", 8),) * 2 + (("decode", 8),) * 2
+    settings = dict(max_num_seqs=32, max_model_len=16384)
+    dyn = simulate(reqs, cost, SimConfig("dynamic", 32, instances=pd, **settings),
+                   PDPolicy("dynamic", switch_wait=0.2, switch_dwell=2.0))
+    static = simulate(reqs, cost, SimConfig("static", 32, instances=pd, **settings))
+    mixed = simulate(reqs, cost, SimConfig("colocated", 32, instances=(("mixed", 8),) * 4, **settings))
+    for r in (dyn, static, mixed):
+        assert [len(q.output_ids) for q in r.requests] == [t.output_len for t in reqs]
+    assert not static.instance_switches and not mixed.instance_switches and len(mixed.utilisation) == 4
+    assert {to for _, _, _, to in dyn.instance_switches} == {"prefill", "decode"}, dyn.instance_switches
+    homes = {"prefill0": "prefill", "prefill1": "prefill", "decode2": "decode", "decode3": "decode"}
+    for (t, name, old, new), before in zip(dyn.instance_switches, [None] + dyn.instance_switches):
+        assert homes[name] == old and (before is None or before[3] == new or t - before[0] >= 2.0)
+        homes[name] = new
+        assert sorted(set(homes.values())) == ["decode", "prefill"]
+    with pytest.raises(ValueError, match="colocated means mixed instances only"):
+        simulate(reqs, cost, SimConfig("colocated", 16, instances=(("prefill", 8), ("decode", 8))))
+    from ernie_jax.sim.goodput import instance_modes  # the goodput sweep's modes for such a deployment
+    sweep_modes = instance_modes(4, 8)
+    assert [m.label for m in sweep_modes] == ["colocated x4", "static 1:3", "static 2:2", "static 3:1",
+                                              "dynamic 2:2", "dynamic+SLO 2:2"]
+    P, D = ("prefill", 8), ("decode", 8)
+    assert sweep_modes[1].instances == (P, D, D, D) and sweep_modes[3].instances == (P, P, P, D)
+    assert sweep_modes[4].instances == pd == sweep_modes[5].instances and sweep_modes[5].targets
 
 
 def test_h200_cost_model_follows_the_roofline():

@@ -35,11 +35,26 @@ a shared interconnect):
   switching: goodput").
 - `ttft_target`: once the oldest waiting prompt has waited half of this, the decode instance prefills
   waiting prompts into any free seat, not only up to `steal_max_occupancy`.
+
+Whole-instance switching (`instance_roles`), for a deployment of more than two PD instances (a router's: one
+instance a node), dynamic mode: the rules above lend work across one pair; with several instances whole
+instances change their home role, one at a time, and the rules above then move the work (a new prefill
+instance hands its decoding requests over as prompts wait; a new decode instance finishes its prompts and
+decodes them in place):
+- decode -> prefill, when prompts queue: the oldest has waited `switch_wait` (with `ttft_target`: half of
+  it), and the other decode instances have seats for the switching one's requests;
+- prefill -> decode, when the decode side is loaded and the prefill side has slack: nothing waits, and the
+  decode instances' batches are `switch_decode_occupancy` full (with `tpot_target`: or their recent steps
+  take more than `steal_step_fraction` of it);
+- hysteresis: no instance switches against the direction of a switch made within `switch_dwell` seconds
+  (the same instance would flap, two instances would swap roles), the two conditions leave a gap (queued
+  prompts against an empty queue), one instance switches per decision, each side keeps one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Mapping, Sequence
 
 HOME_ROLES = ("prefill", "decode", "mixed")
 POLICIES = ("static", "dynamic")
@@ -75,6 +90,9 @@ class PDPolicy:
     tpot_target: float | None = None
     ttft_target: float | None = None
     steal_step_fraction: float = 0.5  # with tpot_target: the decode instance prefills while its steps take <= this x it
+    switch_wait: float = 1.0  # whole-instance switching: seconds the oldest prompt waits before decode -> prefill
+    switch_decode_occupancy: float = 0.75  # ... decode batches this full (seats + backlog) before prefill -> decode
+    switch_dwell: float = 30.0  # ... seconds after a switch before one in the other direction
 
     def __post_init__(self):
         if self.mode not in POLICIES:
@@ -82,6 +100,9 @@ class PDPolicy:
         if not 0 <= self.steal_max_occupancy <= 1 or not 0 <= self.steal_min_free_pages <= 1 or \
                 not 0 <= self.steal_step_fraction <= 1:
             raise ValueError("steal_max_occupancy, steal_min_free_pages and steal_step_fraction are fractions in [0, 1]")
+        if not 0 <= self.switch_decode_occupancy <= 1 or self.switch_wait < 0 or self.switch_dwell < 0:
+            raise ValueError("switch_decode_occupancy is a fraction in [0, 1]; switch_wait and switch_dwell are "
+                             "seconds >= 0")
         for name in ("tpot_target", "ttft_target"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
@@ -130,3 +151,33 @@ class PDPolicy:
         if me.home == "decode" and me.prefilling:
             return "prefill"
         return me.home
+
+    def instance_roles(self, views: Sequence[InstanceView], waiting: int, oldest_wait: float, now: float,
+                       switches: Mapping[str, tuple[float, str]]) -> dict[str, str]:
+        """Whole-instance switching over more than two PD instances: {name: new home role} for at most one
+        instance (empty: no change). switches: each instance's last change of home role (when, to which)."""
+        pd = [v for v in views if v.home in ("prefill", "decode")]
+        if self.mode == "static" or len(pd) < 3:
+            return {}  # two instances: the pair's rules lend the work; each side keeps one instance
+        # hysteresis: no switch against the direction of one made within the dwell time (the same instance
+        # would flap, two instances would swap roles)
+        recent = {role for t, role in switches.values() if now - t < self.switch_dwell}
+        prefill = [v for v in pd if v.home == "prefill"]
+        decode = [v for v in pd if v.home == "decode"]
+        load = lambda v: v.running + v.backlog  # noqa: E731
+        wait_limit = self.ttft_target / 2 if self.ttft_target is not None else self.switch_wait
+        if waiting and oldest_wait >= wait_limit and len(decode) > 1 and "decode" not in recent:
+            for v in sorted((v for v in decode if v.can_prefill), key=load):
+                room = sum(max(0, o.seats_free - o.backlog) for o in decode if o is not v)
+                if room >= load(v):  # the others can take what it decodes
+                    return {v.name: "prefill"}
+                break  # the least loaded cannot move: none can
+        if waiting == 0 and len(prefill) > 1 and "prefill" not in recent:
+            seats = sum(v.max_num_seqs for v in decode)
+            full = sum(load(v) for v in decode) >= self.switch_decode_occupancy * seats
+            slow = self.tpot_target is not None and \
+                max(v.decode_step_seconds for v in decode) > self.steal_step_fraction * self.tpot_target
+            if full or slow:
+                for v in sorted((v for v in prefill if v.can_decode), key=lambda v: v.prefilling):
+                    return {v.name: "decode"}
+        return {}

@@ -98,8 +98,20 @@ class H200Cost:
     def pages(self, devices: int, page_size: int) -> int:
         room = devices * self.hbm_per_device * self.hbm_fraction - self.weight_bytes
         if room <= 0:
-            raise ValueError(f"{devices} H200s cannot hold the 301 GB of FP8 weights")
+            raise ValueError(f"{devices} devices of {self.hbm_per_device / 1e9:.0f} GB cannot hold the "
+                             f"{self.weight_bytes / 1e9:.0f} GB of FP8 weights")
         return int(room // (page_size * self.kv_bytes_per_token)) + 1
+
+
+def h800_cost() -> H200Cost:
+    """The same model on H800 nodes: 80 GB of HBM3 a device at 3.35 TB/s, the H100's 1,979 dense FP8 TFLOP/s,
+    one instance a node of 8 (300B-FP8 needs a whole node), KV between nodes over RDMA: 8 x 400 Gb/s NICs,
+    400 GB/s a node, half of it achieved (an assumption, like every figure of the H200 model)."""
+    return H200Cost(name="H800 nodes of 8, ERNIE-4.5-300B-A47B-FP8", hbm_bandwidth=3.35e12, hbm_per_device=80e9,
+                    transfer_bandwidth=200e9)
+
+
+COSTS = {"h200": H200Cost, "h800": h800_cost}
 
 
 _TERMS = ("prefill step", "padded prefill token", "prefill token x context", "decode step", "decode row",

@@ -37,10 +37,13 @@ from ernie_jax.sim.traces import TraceRequest
 
 @dataclasses.dataclass
 class SimConfig:
-    """One simulated deployment: colocated on all devices, or PD with `prefill_devices` of them."""
+    """One simulated deployment: colocated on all devices, or PD with `prefill_devices` of them; or, with
+    `instances`, several instances of their own devices behind a router (one a node), each with a home role
+    ("mixed" for colocated; "prefill" / "decode" for PD), `devices` then being their total."""
     mode: str  # "colocated", "static" or "dynamic"
     devices: int
     prefill_devices: int = 0  # PD only
+    instances: tuple[tuple[str, int], ...] = ()  # (home role, devices) each; () = the layout above
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     block_size: int = 64
@@ -124,6 +127,7 @@ class SimResult:
     utilisation: dict[str, float]  # instance -> busy fraction of the duration
     role_switches: dict
     pd_requests: dict  # finished requests by (prefilled on, decoded on)
+    instance_switches: list = dataclasses.field(default_factory=list)  # (seconds, instance, from, to)
 
     def ttft(self) -> np.ndarray:
         return np.asarray([r.metrics.ttft for r in self.requests])
@@ -145,14 +149,38 @@ def simulate(trace: list[TraceRequest], cost: CostModel, cfg: SimConfig, policy:
     now = lambda: clock[0]  # noqa: E731
     waiting: list[Request] = []
     outputs = OutputProcessor(max_model_len=cfg.max_model_len, clock=now)
-    if cfg.mode == "colocated":
-        insts = [_instance("mixed", "mixed", cfg.devices, cfg, cost, PDPolicy(), waiting, outputs, now)]
-    else:
-        policy = policy or PDPolicy(cfg.mode)
-        n_p, n_d = cfg.prefill_devices, cfg.devices - cfg.prefill_devices
-        insts = [_instance("prefill", "prefill", n_p, cfg, cost, policy, waiting, outputs, now),
-                 _instance("decode", "decode", n_d, cfg, cost, policy, waiting, outputs, now)]
-        insts[0].peer, insts[1].peer = insts[1], insts[0]
+    layout = cfg.instances or ((("mixed", cfg.devices),) if cfg.mode == "colocated" else
+                               (("prefill", cfg.prefill_devices), ("decode", cfg.devices - cfg.prefill_devices)))
+    if (cfg.mode == "colocated") != all(home == "mixed" for home, _ in layout):
+        raise ValueError(f"{cfg.mode} deployment with instances {layout}: colocated means mixed instances only")
+    policy = PDPolicy() if cfg.mode == "colocated" else policy or PDPolicy(cfg.mode)
+    named = len(layout) > 2 or cfg.mode == "colocated" and len(layout) > 1
+    insts = [_instance(f"{home}{i}" if named else home, home, n, cfg, cost, policy, waiting, outputs, now)
+             for i, (home, n) in enumerate(layout)]
+    switches: dict[str, tuple[float, str]] = {}
+    instance_switches: list = []
+
+    def route() -> None:
+        """The router's choice of peers, at each event: a prefill instance hands over to the decode instance
+        with the most room; a decode instance weighs prompt stealing against the least busy prefill instance
+        (with one of each, they are each other's peer, as in one server)."""
+        homes = {home: [i for i in insts if i.home == home] for home in ("prefill", "decode")}
+        for inst in insts:
+            others = homes["decode" if inst.home == "prefill" else "prefill"] if inst.home != "mixed" else []
+            if inst.home == "prefill":
+                inst.peer = max(others, key=lambda o: o.scheduler.view().seats_free - len(o.scheduler.incoming),
+                                default=None)
+            elif inst.home == "decode":
+                inst.peer = min(others, key=lambda o: len(o.scheduler.prefilling), default=None)
+
+    def switch_roles() -> None:
+        views = [i.scheduler.view() for i in insts]
+        oldest = clock[0] - waiting[0].metrics.arrival_time if waiting else 0.0
+        for name, role in policy.instance_roles(views, len(waiting), oldest, clock[0], switches).items():
+            inst = next(i for i in insts if i.name == name)
+            instance_switches.append((clock[0], name, inst.home, role))
+            inst.home = inst.scheduler.home = role
+            switches[name] = (clock[0], role)
     rng = np.random.default_rng(0)
     reqs = []
     for i, t in enumerate(trace):
@@ -207,6 +235,9 @@ def simulate(trace: list[TraceRequest], cost: CostModel, cfg: SimConfig, policy:
                 if req.finished:
                     key = (req.prefilled_on, req.decoded_on)
                     pd_requests[key] = pd_requests.get(key, 0) + 1
+        if len(insts) > 2:
+            switch_roles()
+        route()
         for inst in insts:
             start(inst)
         reschedule()
@@ -216,4 +247,4 @@ def simulate(trace: list[TraceRequest], cost: CostModel, cfg: SimConfig, policy:
     t0 = min(r.metrics.arrival_time for r in reqs)
     duration = max(r.metrics.finished_time for r in reqs) - t0
     return SimResult(cfg, reqs, duration, {i.name: i.runner.busy / duration for i in insts}, role_switches,
-                     pd_requests)
+                     pd_requests, instance_switches)
