@@ -2,8 +2,9 @@
 utilisation of colocated, static PD and dynamic PD (also with the SLOs as the policy's TTFT / TPOT
 targets) per trace, and the best static split of the devices.
 
---cost h200: the 8xH200 roofline model (cost.H200Cost); --cost FILE.json: a model fitted to a machine by
-`python -m ernie_jax.sim.calibrate` (cost.FittedCost; only the instance sizes it measured).
+--cost h200: the 8xH200 roofline model (cost.H200Cost); h800: H800 nodes (cost.h800_cost); --cost FILE.json: a
+model fitted to a machine by `python -m ernie_jax.sim.calibrate` (cost.FittedCost; only the instance sizes it
+measured).
 Goodput: requests per second, over the trace's arrival span, that met both --ttft-slo and --tpot-slo
 (DistServe's per-request SLO attainment); the defaults are the cost model's targets.
 """
@@ -16,7 +17,7 @@ import sys
 import numpy as np
 
 from ernie_jax.engine.policy import PDPolicy
-from ernie_jax.sim.cost import FittedCost, H200Cost, feasible_splits
+from ernie_jax.sim.cost import COSTS, FittedCost, feasible_splits
 from ernie_jax.sim.simulator import SimConfig, simulate
 from ernie_jax.sim.traces import TRACES, make_trace
 
@@ -24,7 +25,7 @@ from ernie_jax.sim.traces import TRACES, make_trace
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ernie_jax.sim", description=__doc__.split("\n")[0])
     ap.add_argument("--trace", default="all", help=f"one of {TRACES} or 'all'")
-    ap.add_argument("--cost", default="h200", help="h200, or a fitted model's .json (sim.calibrate)")
+    ap.add_argument("--cost", default="h200", help="h200, h800, or a fitted model's .json (sim.calibrate)")
     ap.add_argument("--rate", type=float, nargs="+", default=[8.0], help="mean arrivals per second")
     ap.add_argument("--num-requests", type=int, default=300)
     ap.add_argument("--devices", type=int, default=8)
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tpot-slo", type=float, default=None)
     ap.add_argument("--splits", action="store_true", help="also try every static prefill:decode split")
     args = ap.parse_args(argv)
-    cost = H200Cost() if args.cost == "h200" else FittedCost.load(args.cost)
+    cost = COSTS[args.cost]() if args.cost in COSTS else FittedCost.load(args.cost)
     settings = dict(cost.settings)  # SimConfig fields, and the trace scale
     for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "scale"):
         if getattr(args, key) is not None:
