@@ -21,7 +21,9 @@ M = 1, 64, 256, 4096: TFLOP/s (2MNK / t) and GB/s (FP8 weights + scales + activa
    128, 64 query heads) and reports the cache bytes read per second; the causal prefill over the same
    cache reports TFLOP/s.
 3. End to end: ERNIE-4.5-21B-A3B with random bf16 weights drawn on the device, through LLM(...), greedy
-   decode tok/s at batch 1 and 32 against the HBM roofline (active weights + KV read once per step).
+   decode tok/s at batch 1 and 32 against the HBM roofline (active weights + KV read once per step), and where
+   a decode step goes at each batch (bench.step_profile). It runs first: a lent GPU's time is short.
+A GPU machine without llguidance (a dependency of the engine) needs it and its .dist-info on PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -243,7 +245,8 @@ def correctness(big: bool) -> int:
 
 
 def end_to_end(preset: str, batches: list[int], new_tokens: int):
-    """A random-weight model through LLM(...): greedy decode tok/s per batch size against the HBM roofline."""
+    """A random-weight model through LLM(...): greedy decode tok/s per batch size against the HBM roofline,
+    then the decode-step profile at each batch size; returns the LLM."""
     from ernie_jax import LLM, ErnieConfig, ErnieForCausalLM, SamplingParams
     from ernie_jax.model.weights import leaf_dtype, param_counts, weight_shapes
     cfg = ErnieConfig.preset(preset)
