@@ -127,17 +127,6 @@ def pytest_collection_modifyitems(config, items):
     for key, seen in kept.items():  # a misspelt id would silently move its case out of the default suite
         missing = set(SLOW_CASES[key]) - seen
         assert not missing, f"SLOW_CASES[{key!r}] keeps {sorted(missing)}, which are not cases of that test"
-    # `--dist loadfile` hands files to the two workers in collection order: the longest files first, so
-    # that no worker starts a long one while the other has finished (alphabetical order left test_serve.py
-    # and test_speculative.py for the end)
-    rank = {name: i for i, name in enumerate(LONGEST_FILES_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-
-
-# By their time in the default suite on a 2-core machine (the slowest-20 lists of the CI runs), longest first.
-LONGEST_FILES_FIRST = ("test_serve.py", "test_pd.py", "test_kv_memory.py", "test_pd_servers.py",
-                       "test_speculative.py", "test_engine.py", "test_ops.py", "test_llm.py", "test_train.py",
-                       "test_eplb.py", "test_structured.py", "test_multihost_serve.py")
 
 
 # The embedded model's engine shape for every test file that needs one engine of it (chat, kernel fallback,
