@@ -22,9 +22,9 @@ def memory_stats(devices: list) -> list[dict] | None:
 def pages_in_memory(devices: list, page_bytes: int, utilization: float, reserve: int = 0) -> int | None:
     """KV pages of page_bytes (per device) that fit in `utilization` of every device's memory beside what is
     resident already (the weights) and `reserve` bytes (the programs' temporaries); None when the platform
-    reports no memory limit (XLA:CPU). Devices of
-    other processes (a mesh across hosts) report through their own process: every process computes its
-    local count, and all take the smallest, so each compiles the same pool."""
+    reports no memory limit (XLA:CPU). Devices of other processes (a mesh across hosts) report through their
+    own process: every process computes its local count, and all take the smallest, so each compiles the
+    same pool."""
     stats = memory_stats(devices)
     if stats is None:
         return None

@@ -164,14 +164,13 @@ def simulate(trace: list[TraceRequest], cost: CostModel, cfg: SimConfig, policy:
         """The router's choice of peers, at each event: a prefill instance hands over to the decode instance
         with the most room; a decode instance weighs prompt stealing against the least busy prefill instance
         (with one of each, they are each other's peer, as in one server)."""
-        homes = {home: [i for i in insts if i.home == home] for home in ("prefill", "decode")}
-        for inst in insts:
-            others = homes["decode" if inst.home == "prefill" else "prefill"] if inst.home != "mixed" else []
-            if inst.home == "prefill":
-                inst.peer = max(others, key=lambda o: o.scheduler.view().seats_free - len(o.scheduler.incoming),
-                                default=None)
-            elif inst.home == "decode":
-                inst.peer = min(others, key=lambda o: len(o.scheduler.prefilling), default=None)
+        prefill = [i for i in insts if i.home == "prefill"]
+        decode = [i for i in insts if i.home == "decode"]
+        for inst in prefill:
+            inst.peer = max(decode, key=lambda o: o.scheduler.view().seats_free - len(o.scheduler.incoming),
+                            default=None)
+        for inst in decode:
+            inst.peer = min(prefill, key=lambda o: len(o.scheduler.prefilling), default=None)
 
     def switch_roles() -> None:
         views = [i.scheduler.view() for i in insts]
