@@ -1,13 +1,15 @@
 """`python -m ernie_jax.bench offline`: the offline engine on a batch of random prompts, optionally against HF.
 
     python -m ernie_jax.bench offline --model bench-512 --num-prompts 16 --input-len 128 --output-len 128 \\
-        [--compare-hf] [--mesh 8 --prefill-devices 4] [--dtype float32]
+        [--compare-hf] [--compare-llamacpp LLAMA_CPP_DIR [--gguf FILE]] [--mesh 8 --prefill-devices 4] \\
+        [--dtype float32]
 
 All prompts are submitted at once (random token ids, `ignore_eos`, greedy), so the engine batches them;
 reported: output tokens/s (median of --repeats runs), TTFT and TPOT percentiles (per request, as vLLM
 defines them, over all runs), and the compile report. `--compare-hf` builds the same random weights in HF
 transformers (saved and loaded through the HF layout, so both stacks run identical numbers), times
-`generate` on the same batch, alternating with the engine's runs, and prints the ratio.
+`generate` on the same batch, alternating with the engine's runs, and prints the ratio. `--compare-llamacpp`
+does the same with llama.cpp's batched bench on a GGUF of the same weights (llamacpp.py says how).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ def _percentiles(xs: list[float]) -> str:
     return " ".join(f"p{q}={np.percentile(xs, q) * 1e3:.1f}ms" for q in (50, 90, 99))
 
 
-def _hf_model(cfg, folder: str, dtype: str):
+def hf_model(cfg, folder: str, dtype: str):
     """A random HF Ernie4_5_MoeForCausalLM of this config in `dtype`, saved to `folder` (so both stacks
     run the same weights in the same dtype)."""
     import torch
@@ -57,8 +59,15 @@ def offline(args) -> int:
     tmp = tempfile.TemporaryDirectory()
     if args.compare_hf:
         cfg = ErnieConfig.preset(model) if model.lower() in PRESETS else ErnieConfig.from_pretrained(model)
-        hf = _hf_model(cfg, tmp.name, args.dtype)
+        hf = hf_model(cfg, tmp.name, args.dtype)
         model = tmp.name
+    llama = None
+    if args.compare_llamacpp is not None:
+        from ernie_jax.bench import llamacpp
+        llama = llamacpp.find_binary(args.compare_llamacpp)
+        model = model if hf is not None else llamacpp.hf_folder(model, args.dtype, tmp.name)
+        gguf = args.gguf or llamacpp.make_gguf(args.compare_llamacpp, model, os.path.join(tmp.name, "model.gguf"),
+                                               args.dtype)
     t0 = time.perf_counter()
     llm = LLM(model, dtype=args.dtype, max_model_len=args.input_len + args.output_len,
               max_num_seqs=args.max_num_seqs or args.num_prompts, mesh=args.mesh, prefill_devices=args.prefill_devices,
@@ -81,7 +90,7 @@ def offline(args) -> int:
             hf.generate(ids, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
     # The stacks alternate, so a slow spell of a shared machine hits both; the ratio is the median of the
     # ratios of adjacent runs.
-    walls, hf_walls, ttft, tpot = [], [], [], []
+    walls, hf_walls, llama_runs, ttft, tpot = [], [], [], [], []
     for _ in range(args.repeats):
         t0 = time.perf_counter()
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp)
@@ -93,6 +102,9 @@ def offline(args) -> int:
                 t0 = time.perf_counter()
                 hf_out = hf.generate(ids, **kw)
                 hf_walls.append(time.perf_counter() - t0)
+        if llama is not None:
+            llama_runs.append(llamacpp.batched_bench(llama, gguf, args.num_prompts, args.input_len, args.output_len,
+                                                     args.threads))
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     wall = float(np.median(walls))
     print(f"model {args.model}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.moe_num_experts} "
@@ -117,6 +129,15 @@ def offline(args) -> int:
               f"{', '.join(f'{r:.2f}' for r in ratios)})")
         same = sum(o.outputs[0].token_ids == hf_out[i, args.input_len:].tolist() for i, o in enumerate(outs))
         print(f"greedy outputs identical to HF for {same}/{len(outs)} requests")
+    if llama is not None:
+        tok_s = [r["output_tok_s"] for r in llama_runs]
+        print(f"| llama.cpp batched-bench ({args.threads} threads) | {args.num_prompts} | "
+              f"{args.num_prompts * args.output_len} | {np.median([r['t'] for r in llama_runs]):.2f} | "
+              f"{np.median(tok_s):.1f} | prompt {np.median([r['t_pp'] for r in llama_runs]) * 1e3:.1f}ms | "
+              f"{np.median([r['t_tg'] for r in llama_runs]) / args.output_len * 1e3:.1f}ms a step |")
+        ratios = [(n_out / w) / t for w, t in zip(walls, tok_s)]
+        print(f"output tok/s ratio ernie_jax / llama.cpp = {np.median(ratios):.2f}x (median; runs: "
+              f"{', '.join(f'{r:.2f}' for r in ratios)})")
     tmp.cleanup()
     return 0
 
@@ -140,5 +161,9 @@ def add_parsers(sub) -> None:
                      help='MTP speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 1}\' '
                           '(random prompts: `bench mtp` measures it on text)')
     off.add_argument("--compare-hf", action="store_true", help="also time HF transformers generate (needs torch)")
-    off.add_argument("--repeats", type=int, default=3, help="timed runs per stack (alternating with HF)")
+    off.add_argument("--compare-llamacpp", default=None, metavar="LLAMA_CPP_DIR",
+                     help="also run llama.cpp's llama-batched-bench on a GGUF of the same weights (llamacpp.py)")
+    off.add_argument("--gguf", default=None, help="with --compare-llamacpp: this GGUF instead of converting")
+    off.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp's threads")
+    off.add_argument("--repeats", type=int, default=3, help="timed runs per stack (alternating between stacks)")
     off.set_defaults(run=offline)

@@ -15,7 +15,9 @@ in flight included), with a timer around each part the host does:
   host, then the copy back);
 - update: `Scheduler.update` (tokens to requests: stop rules, detokenizing, page growth).
 The decode program alone (its last inputs replayed, waited for each time) gives the device time; the step
-wall time minus the host parts is time the host waited. Nothing in the engine is changed: the timers wrap
+wall time minus the host parts is time the host waited. The weights' bytes on the instance's devices over
+the decode program's time say how near the program runs to memory bandwidth (a decode step reads every
+dense weight; whether it reads every expert depends on the expert implementation). Nothing in the engine is changed: the timers wrap
 the instance's methods from outside.
 """
 
@@ -138,16 +140,19 @@ def step_profile(args) -> int:
     print(f"model {args.model or 'the embedded model'} ({args.dtype}), {jax.device_count()} {jax.default_backend()} device(s) ({cpu}), "
           f"prompt {args.prompt_len} tokens, {args.steps} decode steps each, chained: {not args.no_chain}; "
           "medians per step, ms")
+    weights = llm.engine.instances[-1].programs.weights
+    weight_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(weights))  # device 0's
+    print(f"weights as the decode program reads them: {weight_bytes / 1e6:.1f} MB a device")
     print("| streams | step wall | plan | inputs | launch | read (incl. wait) | update | host total | "
-          "decode program alone | tok/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "decode program alone | weight bytes / program time | tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for n in counts:
         profile(llm, n, 4, args.prompt_len)  # every program and sampler variant compiled and warm
         r = profile(llm, n, args.steps, args.prompt_len, seed=1)
         ms = {k: 1e3 * v for k, v in r.items() if k not in ("streams", "tok_s")}
         print(f"| {n} | {ms['wall']:.2f} | {ms['plan']:.2f} | {ms['inputs']:.2f} | {ms['launch']:.2f} | "
               f"{ms['read']:.2f} | {ms['update']:.2f} | {ms['host'] - ms['read']:.2f} + read | "
-              f"{ms['device']:.2f} | {r['tok_s']:.0f} |", flush=True)
+              f"{ms['device']:.2f} | {weight_bytes / r['device'] / 1e9:.1f} GB/s | {r['tok_s']:.0f} |", flush=True)
     return 0
 
 
