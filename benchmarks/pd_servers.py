@@ -7,8 +7,10 @@ Setups (the embedded model; each server sets up its own fake CPU devices):
 - split:  a `--pd-role prefill --mesh 4` server, a `--pd-role decode --mesh 4` server, the router in front
 - split2: a prefill server on 4 devices, two decode servers on 2 each, the router in front
 For each, `python -m ernie_jax.bench serve` at each concurrency (TTFT and TPOT p50 / p99). For `split`, also
-the KV moved per request at several prompt lengths: the prefill server's gather-and-copy seconds and the
-decode server's pull seconds and bytes (from /v1/pd/info), to set against the in-process hand-over
+and `split2`, the KV moved per request at several prompt lengths: the prefill server's export seconds and the
+decode server's pull seconds and bytes (from /v1/pd/info), and whether it crossed shard by shard (`split`:
+both pools on 4 devices) or on one device (`split2`: a 2-device pool takes a 4-device one's pages), to set
+against the in-process hand-over
 (benchmarks/kv_transfer.py). On a 2-core machine every process shares the same two cores: the figures show
 the protocol's costs, not a GPU deployment's speed.
 """
@@ -76,23 +78,29 @@ def serve_bench(url: str, concurrency: int) -> dict:
 
 def transfer(procs: list[dict], lengths=(64, 128, 256, 512, 960)) -> list[dict]:
     """KV moved per request, by prompt length: one request at a time through the router."""
-    prefill, decode, router = procs[0]["url"], procs[1]["url"], procs[-1]["url"]
+    prefill, decoders, router = procs[0]["url"], [p["url"] for p in procs[1:-1]], procs[-1]["url"]
+    info = lambda u: httpx.get(u + "/v1/pd/info", headers=AUTH).json()["transfers"]  # noqa: E731
+
+    def decode_totals() -> dict:  # summed over the decode servers, whichever the router chose
+        each = [info(u) for u in decoders]
+        return {k: sum(t.get(k, 0) for t in each) for k in ("bytes", "seconds", "pulled_sharded")}
     out = []
     for n in lengths:
-        info = lambda u: httpx.get(u + "/v1/pd/info", headers=AUTH).json()["transfers"]  # noqa: E731
-        p0, d0 = info(prefill), info(decode)
+        p0, d0 = info(prefill), decode_totals()
         reps = 5
         for i in range(reps):
             body = {"prompt": [10 + (7 * j + i) % 900 for j in range(n)], "max_tokens": 2, "temperature": 0,
                     "ignore_eos": True}
             r = httpx.post(router + "/v1/completions", json=body, headers=AUTH, timeout=300)
             r.raise_for_status()
-        p1, d1 = info(prefill), info(decode)
+        p1, d1 = info(prefill), decode_totals()
         mb = (d1["bytes"] - d0["bytes"]) / reps / 1e6
         pull = (d1["seconds"] - d0["seconds"]) / reps
+        sharded = d1.get("pulled_sharded", 0) - d0.get("pulled_sharded", 0)
         out.append({"prompt_tokens": n, "MB": round(mb, 3), "gather_ms": round((p1["seconds"] - p0["seconds"])
                                                                              / reps * 1e3, 2),
-                    "pull_ms": round(pull * 1e3, 2), "GB/s": round(mb / 1e3 / pull, 3) if pull else None})
+                    "pull_ms": round(pull * 1e3, 2), "GB/s": round(mb / 1e3 / pull, 3) if pull else None,
+                    "path": "shard by shard" if sharded == reps else "one device" if not sharded else "mixed"})
     return out
 
 
@@ -106,7 +114,7 @@ def main() -> int:
     for name in args.setups.split(","):
         with setup(name) as (url, procs):
             r = {"serve": {c: serve_bench(url, int(c)) for c in args.concurrency.split(",")}}
-            if name == "split":
+            if name in ("split", "split2"):
                 r["transfer"] = transfer(procs)
             results[name] = r
             print(name, json.dumps(r), flush=True)
@@ -116,11 +124,13 @@ def main() -> int:
         for c, m in r["serve"].items():
             print(f"| {name} | {c} | {m['p50_ttft_ms']:.0f} / {m['p99_ttft_ms']:.0f} | "
                   f"{m['p50_tpot_ms']:.1f} / {m['p99_tpot_ms']:.1f} | {m['output_throughput']:.1f} |")
-    if "split" in results:
-        print("\n| prompt tokens | KV MB | gather+copy ms (prefill) | pull ms (decode) | pull GB/s |")
-        print("|---|---|---|---|---|")
-        for t in results["split"]["transfer"]:
-            print(f"| {t['prompt_tokens']} | {t['MB']} | {t['gather_ms']} | {t['pull_ms']} | {t['GB/s']} |")
+    rows = [(name, t) for name in ("split", "split2") if name in results for t in results[name]["transfer"]]
+    if rows:
+        print("\n| setup | prompt tokens | KV MB | export ms (prefill) | pull ms (decode) | pull GB/s | path |")
+        print("|---|---|---|---|---|---|---|")
+        for name, t in rows:
+            print(f"| {name} | {t['prompt_tokens']} | {t['MB']} | {t['gather_ms']} | {t['pull_ms']} | {t['GB/s']} | "
+                  f"{t['path']} |")
     if args.out:
         json.dump(results, open(args.out, "w"), indent=1)
     return 0

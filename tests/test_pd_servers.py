@@ -64,6 +64,8 @@ def test_greedy_through_the_router_equals_one_server(cluster):
     pulled = httpx.get(cluster["decode"]["url"] + "/v1/pd/info", headers=AUTH, timeout=30).json()["transfers"]
     assert info["transfers"]["exported"] == info["transfers"]["offered"] == pulled["pulled"] == 2 * len(PROMPTS) + 1
     assert info["transfers"]["kept"] == 0 and pulled["recomputed"] == 0 and pulled["bytes"] > 0
+    # both pools lie alike on their 4 devices: every batch crossed shard by shard, none through one device
+    assert info["transfers"]["offered_sharded"] == pulled["pulled_sharded"] == pulled["pulled"]
     assert metric(metrics(cluster["router"]["url"]), "ernie_jax_router:requests_total", path="split") == 7
     for role in ("prefill", "decode"):
         wait_idle(cluster[role]["url"])  # every KV page free again on both servers
@@ -230,7 +232,10 @@ def test_split_with_mtp_fp8_kv_and_different_meshes(variant):
                     assert got.choices[0].text.startswith(first.choices[0].text)
                 else:
                     assert got.choices[0].text == want.text
-            assert httpx.get(d["url"] + "/v1/pd/info", headers=AUTH, timeout=30).json()["transfers"]["pulled"] == len(PROMPTS)
+            pulled = httpx.get(d["url"] + "/v1/pd/info", headers=AUTH, timeout=30).json()["transfers"]
+            assert pulled["pulled"] == len(PROMPTS)
+            # pools laid out alike cross shard by shard; a 2-device pool takes a 4-device one's pages on one device
+            assert pulled["pulled_sharded"] == (0 if variant == "meshes-4-2" else len(PROMPTS))
             wait_idle(p["url"])
             wait_idle(d["url"])
         finally:

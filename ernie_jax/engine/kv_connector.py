@@ -19,9 +19,15 @@ The protocol (prefill server P, decode server D, the router R in front of both):
    expired request is a 404; a pull that fails or times out is tried once more, and then D either recomputes the prompt itself (`kv_load_failure_policy="recompute"`, the default, vLLM's name) or
    fails the request (`"fail"`).
 
-A pull names shapes and a sharding, and `jax.experimental.transfer` needs them to match what was offered, so
-the batch crosses on one device each side; the reshard onto the receiving mesh is a device_put there. (A
-per-shard transfer is the next step for large models: it avoids the gather onto one device.)
+Shard by shard when the two pools are laid out alike. A pull names shapes and shardings, and
+`jax.experimental.transfer` needs them to match what was offered shard for shard. The exporter keeps a
+batch laid out like its pool (each device keeps its own shard of the prompt's pages), and the importer
+sends its pool's shard layout with the offer request (`KVLayout.shards`: per pool leaf, the mesh's axis
+sizes and the partition spec): where it equals the exporter's, the batch crosses as it lies, every device's
+shard to the device in the same place of the other mesh, and is written into the pool with no reshard;
+where it differs (a decode mesh of another size, another rules table), the exporter first copies the batch
+onto its first device and the importer pulls it onto its own first device and reshards it there (a
+device_put). The offer's answer says which (`sharded`), and /v1/pd/info counts both.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from ernie_jax.engine.page_transfer import page_gather, page_ids, page_scatter
 from ernie_jax.engine.shapes import buckets
@@ -57,6 +63,9 @@ class KVLayout:
     model: str  # a fingerprint of the model config
     block_size: int
     leaves: tuple[tuple[str, tuple[int, ...], str], ...]  # per pool leaf: (path, shape less the page axis, dtype)
+    # how the pool lies on its devices: per leaf, the mesh's axis sizes and the partition spec ("" when
+    # unknown). Not a mismatch when it differs: the batch then crosses on one device (module docstring).
+    shards: str = ""
 
     @classmethod
     def of(cls, programs) -> "KVLayout":
@@ -64,18 +73,21 @@ class KVLayout:
         flat = jax.tree_util.tree_flatten_with_path(programs.cache)[0]
         leaves = tuple((jax.tree_util.keystr(path), (a.shape[0],) + tuple(a.shape[2:]), str(a.dtype))
                        for path, a in flat)
-        return cls(hashlib.sha256(cfg).hexdigest()[:16], programs.page_size, leaves)
+        return cls(hashlib.sha256(cfg).hexdigest()[:16], programs.page_size, leaves,
+                   shard_layout(jax.tree.leaves(programs.cache_shardings)))
 
     @classmethod
     def from_json(cls, d: dict) -> "KVLayout":
         try:
             return cls(str(d["model"]), int(d["block_size"]),
-                       tuple((str(p), tuple(int(x) for x in s), str(t)) for p, s, t in d["leaves"]))
+                       tuple((str(p), tuple(int(x) for x in s), str(t)) for p, s, t in d["leaves"]),
+                       str(d.get("shards", "")))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"kv_transfer_params.kv_layout is malformed: {e!r}") from None
 
     def to_json(self) -> dict:
-        return {"model": self.model, "block_size": self.block_size, "leaves": [list(x) for x in self.leaves]}
+        return {"model": self.model, "block_size": self.block_size, "leaves": [list(x) for x in self.leaves],
+                "shards": self.shards}
 
     def mismatch(self, other: "KVLayout") -> str | None:
         """Why pages laid out as `other` cannot enter a pool laid out as self (None: they can)."""
@@ -94,6 +106,21 @@ class KVLayout:
         return None
 
 
+def shard_layout(shardings) -> str:
+    """Where each shard of arrays with these shardings lies, as a string two processes can compare: equal
+    strings mean shard i of one side's array is shard i of the other's (same mesh shape, same specs, devices
+    in mesh order)."""
+    out = []
+    for s in shardings:
+        if isinstance(s, NamedSharding):
+            out.append([[list(kv) for kv in s.mesh.shape.items()], str(s.spec)])
+        elif isinstance(s, SingleDeviceSharding):
+            out.append("one device")
+        else:
+            return ""  # nothing to compare: the batch crosses on one device
+    return json.dumps(out)
+
+
 def _start_server(device, address: str):
     """A transfer server on device's client at address ("HOST" or "HOST:PORT"; no port or 0: a free one)."""
     from jax.experimental import transfer
@@ -107,7 +134,7 @@ def _start_server(device, address: str):
 
 @dataclasses.dataclass
 class _Export:
-    batch: Any  # the page batch on the first device
+    batch: Any  # the page batch, laid out like the pool
     num_pages: int
     deadline: float
     continuation: dict  # what the decode side needs besides the KV (the first token, ...)
@@ -127,17 +154,17 @@ class KVExporter:
         self._buckets = buckets(programs.max_pages)
         self._lock = threading.Lock()
         self._exports: dict[str, _Export] = {}
-        self.exported = self.offered = self.expired = self.skipped_pages = 0
+        self.exported = self.offered = self.expired = self.skipped_pages = self.sharded = 0
         self.bytes, self.seconds = 0, 0.0
 
     def export(self, req, pages: list[int]) -> None:
-        """Gather the pages of req's prompt onto the first device (the caller's thread steps the pool: nothing
-        writes these pages before the gather has read them) and keep them for an offer, with what the decode
-        side continues from: the first token (its logprob entry) and the MTP drafts."""
+        """Gather the pages of req's prompt into a page batch laid out like the pool (the caller's thread steps
+        the pool: nothing writes these pages before the gather has read them) and keep it for an offer, with
+        what the decode side continues from: the first token (its logprob entry) and the MTP drafts."""
         t0 = time.perf_counter()
         n = next(b for b in self._buckets if b >= len(pages))
         ids = page_ids(self.programs, pages, n)
-        batch = jax.device_put(self._gather(self.programs.cache, ids), SingleDeviceSharding(self.device))
+        batch = self._gather(self.programs.cache, ids)
         with self._lock:
             self._sweep()
             self._exports[req.request_id] = _Export(batch, len(pages), time.monotonic() + self.expiry, {
@@ -155,10 +182,11 @@ class KVExporter:
         return {"do_remote_prefill": True, "remote_request_id": request_id, "remote_num_pages": e.num_pages,
                 "kv_layout": self.layout.to_json(), **e.continuation}
 
-    def offer(self, request_id: str, skip: int = 0) -> dict:
+    def offer(self, request_id: str, skip: int = 0, shards: str = "") -> dict:
         """Hand the request's batch, less its first `skip` pages (the puller's prefix cache holds them), to the
-        transfer server under a fresh transfer id and forget it; returns what the puller needs. KeyError when
-        there is none (unknown, already offered, or expired)."""
+        transfer server under a fresh transfer id and forget it; returns what the puller needs. `shards`: the
+        puller's pool layout (KVLayout.shards); where it is this pool's, the batch is offered as it lies,
+        otherwise on the first device. KeyError when there is none (unknown, already offered, or expired)."""
         with self._lock:
             self._sweep()
             e = self._exports.pop(request_id)
@@ -171,13 +199,19 @@ class KVExporter:
             x = a[:, skip:skip + size]
             pad = size - x.shape[1]
             return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) if pad else x
-        leaves = [cut(a) for a in jax.tree.leaves(e.batch)] if skip else jax.tree.leaves(e.batch)
+        leaves = jax.tree.leaves(e.batch)
+        if skip:  # pages are not split over devices, so each shard loses the same leading pages
+            leaves = [jax.device_put(cut(a), a.sharding) for a in leaves]
+        sharded = bool(shards) and shards == self.layout.shards
+        if not sharded:
+            leaves = jax.device_put(leaves, SingleDeviceSharding(self.device))
         transfer_id = secrets.randbits(62)
         self.server.await_pull(transfer_id, leaves)
         self.bytes += sum(a.nbytes for a in leaves) * n // leaves[0].shape[1]
         self.skipped_pages += skip
+        self.sharded += sharded
         return {"transfer_id": transfer_id, "transfer_address": self.address, "num_pages": n,
-                "bucket": leaves[0].shape[1], "skipped_pages": skip}
+                "bucket": leaves[0].shape[1], "skipped_pages": skip, "sharded": sharded}
 
     def _sweep(self) -> None:
         now = time.monotonic()
@@ -204,17 +238,20 @@ class KVImporter:
         self._connections: dict[str, Any] = {}
         self._scatter = page_scatter(programs)
         self._lock = threading.Lock()
-        self.pulled, self.failed = 0, 0
+        self.pulled = self.failed = self.sharded = 0
         self.bytes, self.seconds = 0, 0.0
 
     def pull(self, offer: dict) -> Any:
-        """The offered batch (offer: KVExporter.offer's answer) on this server's first device, as a pytree
-        like this pool's; raises KVTransferError naming the peer when it does not arrive in time."""
-        address, bucket = offer["transfer_address"], int(offer["bucket"])
+        """The offered batch (offer: KVExporter.offer's answer) as a pytree like this pool's: laid out like the
+        pool when it was offered shard by shard, else on this server's first device; raises KVTransferError
+        naming the peer when it does not arrive in time."""
+        address, bucket, sharded = offer["transfer_address"], int(offer["bucket"]), bool(offer.get("sharded"))
         t0 = time.perf_counter()
         flat, tree = jax.tree.flatten(self.programs.cache)
-        sharding = SingleDeviceSharding(self.device)
-        specs = [jax.ShapeDtypeStruct((a.shape[0], bucket) + a.shape[2:], a.dtype, sharding=sharding) for a in flat]
+        shardings = (jax.tree.leaves(self.programs.cache_shardings) if sharded
+                     else [SingleDeviceSharding(self.device)] * len(flat))
+        specs = [jax.ShapeDtypeStruct((a.shape[0], bucket) + a.shape[2:], a.dtype, sharding=s)
+                 for a, s in zip(flat, shardings)]
         result: dict[str, Any] = {}
 
         def run():
@@ -236,6 +273,7 @@ class KVImporter:
             why = f"{result['error']}" if "error" in result else f"no data within {self.timeout:.0f} s"
             raise KVTransferError(f"pulling KV from {address} failed: {why}")
         self.pulled += 1
+        self.sharded += sharded
         self.seconds += time.perf_counter() - t0
         self.bytes += sum(a.nbytes for a in result["leaves"]) * int(offer["num_pages"]) // bucket
         return jax.tree.unflatten(tree, result["leaves"])
@@ -245,5 +283,5 @@ class KVImporter:
         steps the pool."""
         n = jax.tree.leaves(batch)[0].shape[1]
         ids = page_ids(self.programs, pages, n)
-        batch = jax.device_put(batch, self.programs.cache_shardings)
+        batch = jax.device_put(batch, self.programs.cache_shardings)  # a no-op for a batch pulled shard by shard
         self.programs.cache = self._scatter(self.programs.cache, batch, ids)

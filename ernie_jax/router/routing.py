@@ -123,7 +123,7 @@ class Router:
             if other.info.get("model") != info.get("model"):
                 raise RouterError(f"{b.url} serves {info.get('model')!r}, {other.url} serves "
                                   f"{other.info.get('model')!r}")
-            theirs, mine = other.info.get("kv_layout"), info.get("kv_layout")
+            theirs, mine = _transferable(other.info.get("kv_layout")), _transferable(info.get("kv_layout"))
             if b.role != "mixed" and other.role != "mixed" and theirs != mine:
                 raise RouterError(f"{b.url} keeps its KV in another layout than {other.url} (model, block size, KV "
                                   f"dtype or MTP differ): {_layout_diff(theirs, mine)}")
@@ -350,6 +350,12 @@ class Router:
         lines += [f'ernie_jax_router:pd_requests_total{{prefill="{p}",decode="{d}"}} {n}'
                   for (p, d), n in sorted(self.pd_requests.items())]
         return "\n".join(lines) + "\n"
+
+
+def _transferable(layout: dict | None) -> dict | None:
+    """What of a KV layout two servers must share for one to take the other's pages: not how the pages lie on
+    the devices (`shards`: pages cross between unlike meshes too, on one device; engine/kv_connector.py)."""
+    return None if layout is None else {k: v for k, v in layout.items() if k != "shards"}
 
 
 def _layout_diff(a: dict | None, b: dict | None) -> str:

@@ -56,24 +56,28 @@ class PDServer:
         transfers: dict[str, Any] = {}
         if (e := self.exporter) is not None and self.role == "prefill":
             kept = e.sweep()  # expired ones counted first
-            transfers = {"exported": e.exported, "offered": e.offered, "expired": e.expired, "kept": kept,
-                         "skipped_pages": e.skipped_pages, "bytes": e.bytes, "seconds": round(e.seconds, 6)}
+            transfers = {"exported": e.exported, "offered": e.offered, "offered_sharded": e.sharded,
+                         "expired": e.expired, "kept": kept, "skipped_pages": e.skipped_pages, "bytes": e.bytes,
+                         "seconds": round(e.seconds, 6)}
         elif (i := self.importer) is not None and self.role == "decode":
-            transfers = {"pulled": i.pulled, "failed": i.failed, "recomputed": self.recomputed,
-                         "reused_pages": self.reused_pages, "bytes": i.bytes, "seconds": round(i.seconds, 6)}
+            transfers = {"pulled": i.pulled, "pulled_sharded": i.sharded, "failed": i.failed,
+                         "recomputed": self.recomputed, "reused_pages": self.reused_pages, "bytes": i.bytes,
+                         "seconds": round(i.seconds, 6)}
         return {"role": self.role, "model": model_name, "kv_layout": kv.layout.to_json() if kv is not None else None,
                 "transfer_address": self.exporter.address if self.exporter is not None else None,
                 "transfers": transfers}
 
-    def offer(self, request_id: Any, skip: Any = 0) -> dict:
+    def offer(self, request_id: Any, skip: Any = 0, shards: Any = "") -> dict:
         if self.exporter is None:
             raise ProtocolError("this server exports no KV (it was not started with --pd-role prefill)", status=400)
         if not isinstance(request_id, str):
             raise ProtocolError("request_id must be a string", param="request_id")
         if not isinstance(skip, int) or skip < 0:
             raise ProtocolError("skip_pages must be a non-negative integer", param="skip_pages")
+        if not isinstance(shards, str):
+            raise ProtocolError("shards must be a string (the puller's KV pool layout)", param="shards")
         try:
-            return self.exporter.offer(request_id, skip)
+            return self.exporter.offer(request_id, skip, shards)
         except KeyError:
             raise ProtocolError(f"no KV kept for request {request_id!r} (unknown, already pulled, or expired "
                                 f"after {self.exporter.expiry:.0f} s)", status=404, param="request_id") from None
@@ -171,9 +175,9 @@ class PDServer:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         why = ""
         try:
+            body = {"request_id": rid, "skip_pages": skip, "shards": self.importer.layout.shards}
             async with httpx.AsyncClient(timeout=30) as client:
-                r = await client.post(url.rstrip("/") + "/v1/pd/kv/offer", json={"request_id": rid, "skip_pages": skip},
-                                      headers=headers)
+                r = await client.post(url.rstrip("/") + "/v1/pd/kv/offer", json=body, headers=headers)
             if r.status_code != 200:
                 why = f"the offer was refused ({r.status_code}: {r.text[:200]})"
             else:
@@ -230,4 +234,5 @@ def add_pd_routes(app, server) -> None:
             raise ProtocolError("the request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise ProtocolError("the request body must be a JSON object")
-        return await asyncio.to_thread(server.pd.offer, body.get("request_id"), body.get("skip_pages", 0))
+        return await asyncio.to_thread(server.pd.offer, body.get("request_id"), body.get("skip_pages", 0),
+                                       body.get("shards", ""))
