@@ -64,8 +64,9 @@ def test_greedy_through_the_router_equals_one_server(cluster):
     pulled = httpx.get(cluster["decode"]["url"] + "/v1/pd/info", headers=AUTH, timeout=30).json()["transfers"]
     assert info["transfers"]["exported"] == info["transfers"]["offered"] == pulled["pulled"] == 2 * len(PROMPTS) + 1
     assert info["transfers"]["kept"] == 0 and pulled["recomputed"] == 0 and pulled["bytes"] > 0
-    # both pools lie alike on their 4 devices: every batch crossed shard by shard, none through one device
-    assert info["transfers"]["offered_sharded"] == pulled["pulled_sharded"] == pulled["pulled"]
+    # the embedded model's 2 KV heads do not split over 4 devices (each holds a replica), so every batch crossed
+    # on one device (test_pages_cross_shard_by_shard_between_pools_laid_out_alike has the other path)
+    assert info["transfers"]["offered_sharded"] == pulled["pulled_sharded"] == 0
     assert metric(metrics(cluster["router"]["url"]), "ernie_jax_router:requests_total", path="split") == 7
     for role in ("prefill", "decode"):
         wait_idle(cluster[role]["url"])  # every KV page free again on both servers
@@ -234,8 +235,7 @@ def test_split_with_mtp_fp8_kv_and_different_meshes(variant):
                     assert got.choices[0].text == want.text
             pulled = httpx.get(d["url"] + "/v1/pd/info", headers=AUTH, timeout=30).json()["transfers"]
             assert pulled["pulled"] == len(PROMPTS)
-            # pools laid out alike cross shard by shard; a 2-device pool takes a 4-device one's pages on one device
-            assert pulled["pulled_sharded"] == (0 if variant == "meshes-4-2" else len(PROMPTS))
+            assert pulled["pulled_sharded"] == 0  # the 4-device pool holds replicas: pages cross on one device
             wait_idle(p["url"])
             wait_idle(d["url"])
         finally:
@@ -308,3 +308,46 @@ def test_a_kv_transfer_port_in_use_stops_the_server_naming_the_flag():
         log = f.read()
     assert f"--kv-transfer-address: cannot start the KV transfer server at 127.0.0.1:{port}" in log, log[-2000:]
     assert "Address already in use" in log
+
+
+def test_pages_cross_shard_by_shard_between_pools_laid_out_alike_else_on_one_device():
+    """Two transfer servers in this process, no engine: a prompt's pages exported from a pool on 2 devices
+    (its KV heads split, one per device) enter a pool laid out alike shard by shard, and a pool on 4 devices
+    (KV heads replicated: replicas are never sent) through one device; both land exactly where they were
+    sent, after the pages the receiver already holds are skipped."""
+    import types
+
+    import jax
+
+    from ernie_jax.engine.config import CacheConfig
+    from ernie_jax.engine.kv_connector import KVExporter, KVImporter
+    from ernie_jax.engine.programs import ModelPrograms
+    from ernie_jax.sharding import ShardingPlan, make_mesh
+    from tests.test_engine import golden_model
+
+    devices = jax.devices()
+
+    def programs(mesh: str, devs):
+        model = golden_model().shard(ShardingPlan.create(make_mesh(mesh, devs)))
+        return ModelPrograms(model, "x", CacheConfig(num_gpu_blocks_override=8), max_pages_per_seq=4,
+                             prefill_buckets=[], decode_buckets=[], startup_kinds=())
+    src = programs("data=1,expert=1,tensor=2", devices[:2])
+    rng = np.random.default_rng(0)
+    src.cache = jax.tree.map(lambda a, s: jax.device_put(rng.standard_normal(a.shape).astype(a.dtype), s),
+                             src.cache, src.cache_shardings)
+    exporter = KVExporter(src)
+    req = types.SimpleNamespace(request_id="r", output_ids=[7], logprobs=[], drafts=None, prompt_ids=[3] * 40)
+    for mesh, devs, sharded in (("data=1,expert=1,tensor=2", devices[2:4], True),
+                                ("data=1,expert=1,tensor=4", devices[4:8], False)):
+        dst = programs(mesh, devs)
+        importer = KVImporter(dst)
+        assert (importer.layout.shards == exporter.layout.shards) is sharded and importer.layout.mismatch(exporter.layout) is None
+        exporter.export(req, [1, 2, 3])
+        offer = exporter.offer("r", skip=1, shards=importer.layout.shards)  # the receiver holds the first page
+        assert offer["sharded"] is sharded and offer["num_pages"] == 2
+        batch = importer.pull(offer)
+        importer.scatter(batch, [5, 6])
+        for a, b in zip(jax.tree.leaves(src.cache), jax.tree.leaves(dst.cache)):
+            np.testing.assert_array_equal(np.asarray(b)[:, [5, 6]], np.asarray(a)[:, [2, 3]])
+            assert not np.asarray(b)[:, [1, 2, 3, 4, 7]].any()  # nothing else written
+        assert importer.sharded == int(sharded) and importer.pulled == 1

@@ -19,7 +19,7 @@ The protocol (prefill server P, decode server D, the router R in front of both):
    expired request is a 404; a pull that fails or times out is tried once more, and then D either recomputes the prompt itself (`kv_load_failure_policy="recompute"`, the default, vLLM's name) or
    fails the request (`"fail"`).
 
-Shard by shard when the two pools are laid out alike. A pull names shapes and shardings, and
+Shard by shard when the two pools are laid out alike and no device holds a replica of another's shard. A pull names shapes and shardings, and
 `jax.experimental.transfer` needs them to match what was offered shard for shard. The exporter keeps a
 batch laid out like its pool (each device keeps its own shard of the prompt's pages), and the importer
 sends its pool's shard layout with the offer request (`KVLayout.shards`: per pool leaf, the mesh's axis
@@ -36,6 +36,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import secrets
 import threading
 import time
@@ -109,10 +110,15 @@ class KVLayout:
 def shard_layout(shardings) -> str:
     """Where each shard of arrays with these shardings lies, as a string two processes can compare: equal
     strings mean shard i of one side's array is shard i of the other's (same mesh shape, same specs, devices
-    in mesh order)."""
+    in mesh order). "" where some device holds a replica of another's shard: a transfer sends every device's
+    shard, replicas included, so such a pool's pages cross on one device instead."""
     out = []
     for s in shardings:
         if isinstance(s, NamedSharding):
+            used = [ax for entry in s.spec if entry is not None
+                    for ax in (entry if isinstance(entry, tuple) else (entry,))]
+            if math.prod(s.mesh.shape[ax] for ax in used) != s.mesh.size:
+                return ""
             out.append([[list(kv) for kv in s.mesh.shape.items()], str(s.spec)])
         elif isinstance(s, SingleDeviceSharding):
             out.append("one device")
