@@ -132,7 +132,7 @@ def test_admin_rebalance_route_needs_the_api_key_and_keeps_outputs():
     from ernie_jax.serve.metrics import ServerMetrics
     from ernie_jax.tokenizer import Tokenizer
 
-    llm = LLM(_moe_model(), max_model_len=64, max_num_seqs=4, mesh=8, disaggregate=False,
+    llm = LLM(_moe_model(), max_model_len=64, max_num_seqs=1, max_num_batched_tokens=64, mesh=8, disaggregate=False,
               eplb_config={"num_redundant_experts": 8, "window_size": 50, "step_interval": 0})
     metrics = ServerMetrics(llm.engine.stats, "m")
     runner = AsyncEngine(llm.engine, on_finish=metrics.on_finish)
