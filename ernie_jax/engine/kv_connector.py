@@ -19,15 +19,16 @@ The protocol (prefill server P, decode server D, the router R in front of both):
    expired request is a 404; a pull that fails or times out is tried once more, and then D either recomputes the prompt itself (`kv_load_failure_policy="recompute"`, the default, vLLM's name) or
    fails the request (`"fail"`).
 
-Shard by shard when the two pools are laid out alike and no device holds a replica of another's shard. A pull names shapes and shardings, and
-`jax.experimental.transfer` needs them to match what was offered shard for shard. The exporter keeps a
-batch laid out like its pool (each device keeps its own shard of the prompt's pages), and the importer
-sends its pool's shard layout with the offer request (`KVLayout.shards`: per pool leaf, the mesh's axis
-sizes and the partition spec): where it equals the exporter's, the batch crosses as it lies, every device's
-shard to the device in the same place of the other mesh, and is written into the pool with no reshard;
-where it differs (a decode mesh of another size, another rules table), the exporter first copies the batch
-onto its first device and the importer pulls it onto its own first device and reshards it there (a
-device_put). The offer's answer says which (`sharded`), and /v1/pd/info counts both.
+Shard by shard where the two pools lie alike. A pull names shapes and shardings, and `jax.experimental.transfer`
+needs them to match what was offered shard for shard. The exporter keeps a batch laid out like its pool (each
+device keeps its own shard of the prompt's pages), and the importer sends its pool's shard layout with the
+offer request (`KVLayout.shards`: per pool leaf, the mesh's axis sizes and the partition spec; empty where a
+device holds a replica of another's shard, since a transfer sends every device's shard, replicas included).
+Where the two are equal and not empty, the batch crosses as it lies, every device's shard to the device in
+the same place of the other mesh, and is written into the pool with no reshard. Otherwise (a decode mesh of
+another size, another rules table, replicated KV heads) the exporter first copies the batch onto its first
+device and the importer pulls it onto its own first device and reshards it there (a device_put). The offer's
+answer says which (`sharded`), and /v1/pd/info counts both.
 """
 
 from __future__ import annotations
@@ -206,7 +207,7 @@ class KVExporter:
             pad = size - x.shape[1]
             return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) if pad else x
         leaves = jax.tree.leaves(e.batch)
-        if skip:  # pages are not split over devices, so each shard loses the same leading pages
+        if skip:  # put back onto the batch's sharding, so a shard-by-shard offer still matches the puller's
             leaves = [jax.device_put(cut(a), a.sharding) for a in leaves]
         sharded = bool(shards) and shards == self.layout.shards
         if not sharded:
