@@ -127,17 +127,6 @@ def pytest_collection_modifyitems(config, items):
     for key, seen in kept.items():  # a misspelt id would silently move its case out of the default suite
         missing = set(SLOW_CASES[key]) - seen
         assert not missing, f"SLOW_CASES[{key!r}] keeps {sorted(missing)}, which are not cases of that test"
-    # `--dist loadfile` hands files to the workers in collection order. The files whose servers run in their
-    # own processes go first, longest first: they share no compiled program with the other files, and
-    # alphabetically test_serve.py came late enough to leave one worker alone with it at the end. The
-    # other files keep their alphabetical order, in which each finds the programs the files before it
-    # compiled in the XLA cache (a longest-first order of every file lost that and took a minute longer).
-    first = {name: i for i, name in enumerate(SERVER_FILES_FIRST)}
-    items.sort(key=lambda item: first.get(item.path.name, len(first)))
-
-
-# Files that test servers in their own processes, by their time in the default suite, longest first.
-SERVER_FILES_FIRST = ("test_serve.py", "test_pd_servers.py", "test_multihost_serve.py")
 
 
 # The embedded model's engine shape for every test file that needs one engine of it (chat, kernel fallback,
