@@ -351,3 +351,31 @@ def test_pages_cross_shard_by_shard_between_pools_laid_out_alike_else_on_one_dev
             np.testing.assert_array_equal(np.asarray(b)[:, [5, 6]], np.asarray(a)[:, [2, 3]])
             assert not np.asarray(b)[:, [1, 2, 3, 4, 7]].any()  # nothing else written
         assert importer.sharded == int(sharded) and importer.pulled == 1
+
+
+def test_the_router_admits_servers_whose_kv_fits_whatever_their_meshes_and_refuses_another_model():
+    """The router's check of a server's /v1/pd/info against the others (no server started): another model is
+    refused naming both, another KV layout naming the field that differs; a pool laid out on another mesh
+    (its `shards`) is admitted, since pages then cross on one device."""
+    from ernie_jax.router.routing import Router, RouterError
+    layout = {"model": "abc", "block_size": 16, "leaves": [["k", [6, 16, 2, 64], "uint16"]], "shards": "[\"4 devices\"]"}
+    router = Router(["http://p:1"], ["http://d:2"], [])
+    prefill, decode = router.backends
+    router._admit(prefill, httpx.Response(200, json={"role": "prefill", "model": "m", "kv_layout": layout}))
+
+    def admit(**changes):
+        info = {"role": "decode", "model": "m", "kv_layout": layout}
+        for key, value in changes.items():
+            if key in info:
+                info[key] = value
+            else:
+                info["kv_layout"] = {**layout, key: value}
+        router._admit(decode, httpx.Response(200, json=info))
+    with pytest.raises(RouterError, match="http://d:2 serves 'other', http://p:1 serves 'm'"):
+        admit(model="other")
+    with pytest.raises(RouterError, match="another layout.*block_size: 16 against 32"):
+        admit(block_size=32)
+    with pytest.raises(RouterError, match="serves as 'prefill', not as 'decode'"):
+        admit(role="prefill")
+    admit(shards="[\"2 devices\"]")
+    assert decode.info["kv_layout"]["shards"] == "[\"2 devices\"]"
