@@ -16,12 +16,12 @@ GGUF (`--gguf FILE` gives one instead). That converter does not read the shared 
 it writes intermediate_size // num_key_value_heads, which holds for the released models but not for every
 config (the embedded model's shared experts are 2 x 128 = 256 wide, the formula gives 384, and llama.cpp then
 refuses the file); the width is checked after converting and set to moe_intermediate_size x
-moe_num_shared_experts with gguf-py's `gguf_set_metadata.py` when it differs, saying so. Each timed run of the engine is followed by one `llama-batched-bench
--npp IN -ntg OUT -npl N` run (a process each time: it loads the model and warms up before timing), so a slow
-spell of a shared machine hits both. Both figures are output tokens per second, prompt processing included:
-llama.cpp's B x TG tokens over its T (prompt + generation seconds). What the two runs do differs in one way
-that favours llama.cpp: its batched bench feeds random tokens and never samples, while the engine samples
-greedily and detokenizes.
+moe_num_shared_experts with gguf-py's `gguf_set_metadata.py` when it differs, saying so. Each timed run of
+the engine is followed by one `llama-batched-bench -npp IN -ntg OUT -npl N` run (a process each time: it
+loads the model and warms up before timing), so a slow spell of a shared machine hits both. Both figures
+are output tokens per second, prompt processing included: llama.cpp's B x TG tokens over its T (prompt +
+generation seconds). What the two runs do differs in one way that favours llama.cpp: its batched bench
+feeds random tokens and never samples, while the engine samples greedily and detokenizes.
 """
 
 from __future__ import annotations
@@ -55,22 +55,29 @@ def find_binary(llama_dir: str) -> str:
 def hf_folder(model: str, dtype: str, folder: str) -> str:
     """An HF-layout folder holding `model`'s weights (written into `folder` unless it is one already)."""
     if model.lower() in PRESETS:
-        from ernie_jax.assets import EMBEDDED_MODEL_DIR
         from ernie_jax.bench.offline import hf_model
-        cfg = ErnieConfig.preset(model)
-        pieces = ErnieConfig.from_pretrained(EMBEDDED_MODEL_DIR).vocab_size
-        if cfg.vocab_size < pieces:
-            raise SystemExit(f"--compare-llamacpp --model {model}: its vocabulary ({cfg.vocab_size}) is smaller than the "
-                             f"embedded tokenizer's ({pieces} pieces), which its GGUF would carry")
-        hf_model(cfg, folder, dtype)
-        for name in ("tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
-            shutil.copy(os.path.join(EMBEDDED_MODEL_DIR, name), folder)
-        return folder
+        hf_model(ErnieConfig.preset(model), folder, dtype)
+        return with_tokenizer(folder)
     from ernie_jax.checkpoint.plan import CheckpointPlan
     if CheckpointPlan(model, ErnieConfig.from_pretrained(model)).layout.name == "hf":
         return model
     from converters.export_hf import convert
     convert(model, folder, drop_mtp=True, quiet=True)
+    return folder
+
+
+def with_tokenizer(folder: str) -> str:
+    """A folder of random weights (a preset's) with the embedded model's tokenizer beside them: the GGUF
+    converter needs one, and the prompts are random token ids, so which one does not matter; the vocabulary
+    must hold its pieces."""
+    from ernie_jax.assets import EMBEDDED_MODEL_DIR
+    vocab = ErnieConfig.from_pretrained(folder).vocab_size
+    pieces = ErnieConfig.from_pretrained(EMBEDDED_MODEL_DIR).vocab_size
+    if vocab < pieces:
+        raise SystemExit(f"--compare-llamacpp: the model's vocabulary ({vocab}) is smaller than the embedded "
+                         f"tokenizer's ({pieces} pieces), which its GGUF would carry")
+    for name in ("tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(os.path.join(EMBEDDED_MODEL_DIR, name), folder)
     return folder
 
 

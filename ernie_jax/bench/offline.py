@@ -65,7 +65,10 @@ def offline(args) -> int:
     if args.compare_llamacpp is not None:
         from ernie_jax.bench import llamacpp
         llama = llamacpp.find_binary(args.compare_llamacpp)
-        model = model if hf is not None else llamacpp.hf_folder(model, args.dtype, tmp.name)
+        if hf is not None:  # --compare-hf saved the weights: the GGUF converter also needs a tokenizer there
+            model = llamacpp.with_tokenizer(model)
+        else:
+            model = llamacpp.hf_folder(model, args.dtype, tmp.name)
         gguf = args.gguf or llamacpp.make_gguf(args.compare_llamacpp, model, os.path.join(tmp.name, "model.gguf"),
                                                args.dtype)
     t0 = time.perf_counter()
