@@ -79,7 +79,7 @@ def serve_bench(url: str, concurrency: int) -> dict:
 def transfer(procs: list[dict], lengths=(64, 128, 256, 512, 960)) -> list[dict]:
     """KV moved per request, by prompt length: one request at a time through the router."""
     prefill, decoders, router = procs[0]["url"], [p["url"] for p in procs[1:-1]], procs[-1]["url"]
-    info = lambda u: httpx.get(u + "/v1/pd/info", headers=AUTH).json()["transfers"]  # noqa: E731
+    info = lambda u: httpx.get(u + "/v1/pd/info", headers=AUTH, timeout=120).json()["transfers"]  # noqa: E731
 
     def decode_totals() -> dict:  # summed over the decode servers, whichever the router chose
         each = [info(u) for u in decoders]
