@@ -43,6 +43,12 @@ MIN_SEED, MAX_SEED = -2**63, 2**64 - 1
 GREEDY_BELOW = 1e-5  # a temperature under this samples greedily (vLLM's rule), since logits / t overflow f32
 
 
+def sample_seed(seed: int | None, j: int) -> int | None:
+    """The seed of sample j of a request seeded `seed` (n > 1): seed + j, wrapping within 64 bits, so the
+    samples differ and each is reproducible (a router that sends the samples apart uses the same rule)."""
+    return None if seed is None else seed + j - (2**64 if seed + j > MAX_SEED else 0)
+
+
 def sampler_seed(seed: int) -> int:
     """The sampler's 32-bit seed for a request seed in [MIN_SEED, MAX_SEED]: the seed itself when it already
     is one (so those streams never change), otherwise a hash of its 64-bit form."""
@@ -141,10 +147,8 @@ class SamplingParams:
                 raise SamplingParamsError("structured_outputs", str(e)) from None
 
     def for_sample(self, j: int) -> SamplingParams:
-        """The parameters of sample j of the n this asks for: one sample each; a seeded request's sample j
-        uses seed + j (wrapping within 64 bits), so the samples differ and each is reproducible."""
-        seed = None if self.seed is None else self.seed + j - (2**64 if self.seed + j > MAX_SEED else 0)
-        return dataclasses.replace(self, n=1, seed=seed)
+        """The parameters of sample j of the n this asks for: one sample each, seeded by sample_seed."""
+        return dataclasses.replace(self, n=1, seed=sample_seed(self.seed, j))
 
     @property
     def uses_penalties(self) -> bool:

@@ -90,6 +90,42 @@ def test_a_constrained_request_split_across_servers_validates(cluster):
         wait_idle(cluster[role]["url"])
 
 
+def test_samples_and_prompt_lists_split_per_sample_and_merge_into_one_servers_answer(cluster):
+    """n > 1 and a prompt list through the router: one split request per prompt and sample (seeded sample j
+    carries seed + j, as a server seeds its own samples), merged into the answer one server gives: the same
+    texts at the same choice indices, usage counting each prompt once, one id; streamed as well."""
+    r, d = cluster["router"]["url"], cluster["decode"]["url"]
+    kw = dict(model=EMBEDDED_MODEL_NAME, max_tokens=8, temperature=1.0, seed=7, n=2, extra_body={"ignore_eos": True})
+    count = lambda path: metric(metrics(r), "ernie_jax_router:requests_total", path=path)  # noqa: E731
+    split, fanned = count("split"), count("fanned_out")
+    want = _client(d).completions.create(prompt=PROMPTS[:2], **kw)  # the decode server alone
+    got = _client(r).completions.create(prompt=PROMPTS[:2], **kw)
+    assert [(c.index, c.text) for c in got.choices] == [(c.index, c.text) for c in want.choices]
+    assert got.choices[0].text != got.choices[1].text  # each sample has its own seed
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (want.usage.prompt_tokens, 32)
+    texts, ids, usage = {}, set(), None
+    for chunk in _client(r).completions.create(prompt=PROMPTS[:2], stream=True,
+                                               stream_options={"include_usage": True}, **kw):
+        ids.add(chunk.id)
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {c.index: c.text for c in want.choices} and len(ids) == 1
+    assert (usage.prompt_tokens, usage.completion_tokens) == (want.usage.prompt_tokens, 32)
+    messages = [{"role": "user", "content": "你好"}]
+    want = _client(d).chat.completions.create(messages=messages, **kw)
+    got = _client(r).chat.completions.create(messages=messages, **kw)
+    assert [c.message.content for c in got.choices] == [c.message.content for c in want.choices]
+    assert count("split") == split + 10 and count("fanned_out") == fanned + 3
+    for bad in ({"n": 17}, {"temperature": -1}):  # more samples than the servers take; a bad field in every part
+        body = {"model": EMBEDDED_MODEL_NAME, "prompt": PROMPTS[:2], "n": 2, **bad}
+        refused = httpx.post(r + "/v1/completions", json=body, headers=AUTH, timeout=30)
+        assert refused.status_code == 400
+        assert refused.json() == httpx.post(d + "/v1/completions", json=body, headers=AUTH, timeout=30).json()
+    for role in ("prefill", "decode"):
+        wait_idle(cluster[role]["url"])
+
+
 def test_pages_the_decode_servers_prefix_cache_holds_are_not_pulled(cluster):
     """A prompt the decode server has served (its prefix cache holds the full pages) pulls only the rest."""
     r, p, d = cluster["router"]["url"], cluster["prefill"]["url"], cluster["decode"]["url"]

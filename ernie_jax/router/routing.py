@@ -11,9 +11,10 @@ requests the router has in flight there) with `kv_transfer_params: {"do_remote_d
 max_tokens 1; its answer names where the prompt's KV is, and the original request goes to a decode server
 (fewest in flight) with those parameters and the prefill server's URL; the decode server's answer, streamed
 or not, is passed through as it arrives. When the first token already ended the request (the prefill server
-kept no KV) the whole request goes to the decode server. Other requests (several prompts, n > 1, prompt
-logprobs) go whole to a mixed server, or to a decode server: role servers are complete engines. Errors of a
-server are passed through unchanged; a server that does not answer is a 502 naming it.
+kept no KV) the whole request goes to the decode server. A request with n > 1 or several prompts is sent as
+one such request per prompt and sample, and their answers merged (router/fanout.py). Requests for the prompt's
+logprobs or its echo go whole to a mixed server, or to a decode server: role servers are complete engines.
+Errors of a server are passed through unchanged; a server that does not answer is a 502 naming it.
 
 With `--pd-policy dynamic` the router switches roles across servers by the PD policy of one server
 (`whole_on`, over each server's published load, /v1/pd/load): a decode server prefills prompts whole while the
@@ -35,6 +36,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ernie_jax.engine.policy import InstanceView, PDPolicy
+from ernie_jax.router.fanout import fan_out, merge
+from ernie_jax.serve.protocol import MAX_PROMPTS
 
 log = logging.getLogger("ernie_jax.router")
 
@@ -59,6 +62,21 @@ class RouterError(RuntimeError):
 
 class _Unreachable(Exception):
     """A server did not answer (nothing was sent to the client yet)."""
+
+
+class _Upstream:
+    """A server's open stream, counted in flight on its server until closed (once), whether relayed to its end
+    or dropped unread."""
+
+    def __init__(self, backend: "Backend", response: httpx.Response):
+        self.backend, self.response, self.open = backend, response, True
+        backend.in_flight += 1
+
+    async def close(self) -> None:
+        if self.open:
+            self.open = False
+            self.backend.in_flight -= 1
+            await self.response.aclose()
 
 
 class Backend:
@@ -217,6 +235,17 @@ class Router:
         headers = self._headers(request)
         if not any(b.up for b in self.backends):
             return error_response("no server is up behind this router", 503)
+        pd = self.of("prefill") + self.of("decode")
+        if self.of("prefill") and self.of("decode") and (parts := fan_out(
+                path, body, min(b.info.get("max_n", 1) for b in pd), MAX_PROMPTS)) is not None:
+            self.counts["fanned_out"] += 1
+            answers = await asyncio.gather(*(self._route_one(path, part, headers) for part in parts),
+                                           return_exceptions=True)
+            return await merge(answers, body.get("n", 1), bool(body.get("stream")))
+        return await self._route_one(path, body, headers)
+
+    async def _route_one(self, path: str, body: dict, headers: dict) -> Response:
+        """A request split between a prefill and a decode server where it can be, else sent whole."""
         split = (self.of("prefill") and self.of("decode") and body.get("n", 1) == 1
                  and not body.get("echo") and body.get("prompt_logprobs") is None
                  and (path.endswith("chat/completions") or isinstance(body.get("prompt"), str)
@@ -318,14 +347,18 @@ class Router:
                 content = await r.aread()
                 await r.aclose()
                 return Response(content, status_code=r.status_code, media_type="application/json")
-            b.in_flight += 1  # held until the stream ends
-            return StreamingResponse(self._relay(b, r), media_type="text/event-stream")
+            up = _Upstream(b, r)  # in flight until the stream ends
+            answer = StreamingResponse(self._relay(up), media_type="text/event-stream")
+            answer.upstream = up  # a merged answer (fanout.py) closes the parts it does not relay
+            return answer
         finally:
             b.in_flight -= 1
 
-    async def _relay(self, b: Backend, r: httpx.Response):
+    @staticmethod
+    async def _relay(up: _Upstream):
+        b = up.backend
         try:
-            async for chunk in r.aiter_raw():
+            async for chunk in up.response.aiter_raw():
                 yield chunk
         except httpx.HTTPError as e:  # the server went away mid-stream: the client gets an error event
             b.failures += 1
@@ -334,8 +367,7 @@ class Router:
                                "type": "server_error", "code": 502}}
             yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
         finally:
-            b.in_flight -= 1
-            await r.aclose()
+            await up.close()
 
     def metrics(self) -> str:
         lines = []

@@ -203,8 +203,9 @@ def add_pd_routes(app, server) -> None:
 
     @app.get("/v1/pd/info")
     async def pd_info() -> dict:
-        """This server's role, model and KV layout, and its transfer counters."""
-        return server.pd.info(server.model_name)
+        """This server's role, model and KV layout, its transfer counters, and the most samples (n) it takes
+        in one request (a router sends no more apart)."""
+        return {**server.pd.info(server.model_name), "max_n": server.max_n}
 
     @app.get("/v1/pd/load")
     async def pd_load() -> dict:
