@@ -25,6 +25,24 @@ def test_every_request_finishes_with_its_output_length_and_no_page_leaks(trace):
             assert r.role_switches
 
 
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_clients_in_a_closed_loop_send_when_their_last_request_has_finished(concurrency):
+    """A benchmark client's closed loop: never more than `concurrency` requests out, each next one sent when
+    one finishes (not before its own arrival), so with one client the requests run one after another."""
+    trace = [TraceRequest(0.0, 40, 8)] * 6 + [TraceRequest(100.0, 40, 8)]
+    r = simulate(trace, H200Cost(), SimConfig("static", 8, 4, max_num_seqs=8), concurrency=concurrency)
+    spans = [(q.metrics.arrival_time, q.metrics.finished_time) for q in r.requests]
+    for t, _ in spans:
+        assert sum(a <= t < f for a, f in spans) <= concurrency
+    assert [a for a, _ in spans[:concurrency]] == [0.0] * concurrency
+    finished = sorted(f for _, f in spans)
+    for i in range(concurrency, 6):  # each later request goes out the moment the i - concurrency'th finishes
+        assert spans[i][0] == pytest.approx(finished[i - concurrency])
+    assert spans[-1][0] == 100.0  # not before its own arrival
+    with pytest.raises(ValueError, match="concurrency=0"):
+        simulate(trace, H200Cost(), SimConfig("static", 8, 4), concurrency=0)
+
+
 def test_instances_behind_a_router_switch_whole_roles_under_shifting_load():
     """Four H800 nodes, an instance each: the dynamic policy turns whole instances between prefill and decode
     as the shifting trace moves between prompt-heavy and decode-heavy phases (no switch reversing one within

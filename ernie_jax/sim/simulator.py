@@ -144,7 +144,13 @@ class SimResult:
         return self.attained(ttft_slo, tpot_slo) * len(self.requests) / span
 
 
-def simulate(trace: list[TraceRequest], cost: CostModel, cfg: SimConfig, policy: PDPolicy | None = None) -> SimResult:
+def simulate(trace: list[TraceRequest], cost: CostModel, cfg: SimConfig, policy: PDPolicy | None = None,
+             concurrency: int | None = None) -> SimResult:
+    """concurrency: clients that each send their next request when their last one has finished (a benchmark
+    client's closed loop, as `bench serve --concurrency` runs): requests go out in trace order, each at its
+    arrival or when a client is free, whichever is later; None: every request at its arrival (open loop)."""
+    if concurrency is not None and concurrency < 1:
+        raise ValueError(f"concurrency={concurrency}: must be at least 1 (or None for arrivals on the trace's clock)")
     clock = [0.0]
     now = lambda: clock[0]  # noqa: E731
     waiting: list[Request] = []
@@ -188,7 +194,9 @@ def simulate(trace: list[TraceRequest], cost: CostModel, cfg: SimConfig, policy:
         reqs.append(Request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=t.output_len, ignore_eos=True),
                             0, RequestMetrics(t.arrival)))
     order = itertools.count()
-    events = [(r.metrics.arrival_time, next(order), "arrive", r) for r in reqs]
+    unsent = reqs[concurrency:] if concurrency else []
+    unsent.reverse()
+    events = [(r.metrics.arrival_time, next(order), "arrive", r) for r in reqs[:concurrency]]
     heapq.heapify(events)
     stepping: dict[str, _Running] = {}
     role_switches: dict[tuple[str, str, str], int] = {}
@@ -234,6 +242,10 @@ def simulate(trace: list[TraceRequest], cost: CostModel, cfg: SimConfig, policy:
                 if req.finished:
                     key = (req.prefilled_on, req.decoded_on)
                     pd_requests[key] = pd_requests.get(key, 0) + 1
+                    if unsent:  # its client sends the next request
+                        nxt = unsent.pop()
+                        nxt.metrics.arrival_time = max(nxt.metrics.arrival_time, t)
+                        heapq.heappush(events, (nxt.metrics.arrival_time, next(order), "arrive", nxt))
         if len(insts) > 2:
             switch_roles()
         route()
