@@ -47,11 +47,13 @@ def plan_program(cfg, devices, mesh_spec, *, quantization, kv_cache_dtype, batch
     from ernie_jax.model.weights import abstract_weights
     from ernie_jax.ops import ExecutionConfig, Platform
     from ernie_jax.sharding import ShardingPlan, abstract_device_bytes, make_mesh
+    from ernie_jax.sharding.fused import fit_plan
 
     plan = ShardingPlan.create(make_mesh(mesh_spec, devices), rules)
     ex = ExecutionConfig.select(Platform("gpu", (9, 0)), "xla")
     replicated = NamedSharding(plan.mesh, P())
     weights = abstract_weights(cfg, jnp.bfloat16, quantization, group)
+    plan = fit_plan(plan, cfg, weights)  # as serving places them (ErnieForCausalLM.from_host)
     w_shard = plan.shardings(weights)
     weights = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), weights, w_shard)
     w_bytes = abstract_device_bytes(weights, w_shard)  # the MTP block included: it is resident

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from ernie_jax import ErnieConfig, ErnieForCausalLM, load_pretrained
 from ernie_jax.model.forward import decoder_layer
@@ -289,6 +290,42 @@ def test_fused_columns_need_no_collective_before_attention_or_activation(mesh):
     assert counts[False].get("collective-permute", 0) + counts[False].get("all-gather", 0) > 0, counts
     np.testing.assert_allclose(logits[True], logits[False], atol=1e-5)
     np.testing.assert_allclose(logits[True], np.asarray(model(ids)), atol=1e-5)
+
+
+def test_blocks_that_cannot_split_whole_are_replicated_over_the_tensor_devices(caplog):
+    """fit_plan: the embedded model's attention (on 4 devices its 2 KV heads; on 2, its 64-column K and V, not
+    whole FP8 scale blocks) is replicated over the tensor devices, its dense FFNs on 4 (192-column halves) but
+    not on 2 (384), its experts and vocabulary still split; the tiny preset (bf16) keeps its split on 2 devices
+    and replicates only attention on 4; 300B-FP8 on 8 devices and training's plan (no fused layout) are left as
+    they are."""
+    from ernie_jax.assets import EMBEDDED_MODEL_DIR
+    from ernie_jax.sharding.fused import fit_plan
+    attention = ("qkv", "heads", "q_heads", "kv_heads")
+    plan = lambda n, **kw: ShardingPlan.create(make_mesh(n, jax.devices()[:n]), **kw)  # noqa: E731
+    embedded = ErnieConfig.from_pretrained(EMBEDDED_MODEL_DIR)
+    w = abstract_weights(embedded, quantization="fp8")
+    for n, why in ((4, "4 query and 2 KV heads do not both split 4 ways"),
+                   (2, "groups of [128, 64, 64] columns are not whole 128-column FP8 scale blocks")):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="ernie_jax.sharding"):
+            fitted = fit_plan(plan(n), embedded, w)
+        assert all(fitted.axes_of(a) == () for a in attention)
+        assert fitted.axes_of("mlp") == (() if n == 4 else ("tensor",))
+        assert fitted.axes_of("experts") == ("expert", "tensor") and fitted.axes_of("vocab") == ("tensor",)
+        assert why in caplog.text and ("dense FFN replicated" in caplog.text) == (n == 4)
+        seg = fitted.weight_specs(w)["segments"][1]
+        assert seg["qkv"].values == P(None, None, None) and seg["experts_up_gate"].values[1] == ("expert", "tensor")
+    tiny = ErnieConfig.preset("tiny")
+    tw = abstract_weights(tiny)
+    two = plan(2)
+    assert fit_plan(two, tiny, tw) is two
+    four = fit_plan(plan(4), tiny, tw)
+    assert all(four.axes_of(a) == () for a in attention) and four.axes_of("mlp") == ("tensor",)
+    big = ErnieConfig.preset("ernie-4.5-300b-a47b-fp8")
+    eight = plan(8)
+    assert fit_plan(eight, big, abstract_weights(big, quantization="fp8")) is eight
+    training = plan(4, fused_layout=False)
+    assert fit_plan(training, embedded, w) is training
 
 
 def test_fused_layout_moves_whole_fp8_scale_blocks_and_back():

@@ -143,7 +143,9 @@ class ErnieForCausalLM(nnx.Module):
         if plan is None or plan.mesh.size == 1:  # one device is the unsharded path, with its layouts and forms
             weights = jax.tree.map(lambda a: jax.device_put(a, device), weights)
             return cls(config, weights, dtype=dtype, execution=execution)
+        from ernie_jax.sharding.fused import fit_plan
         from ernie_jax.sharding.placement import shard_weights
+        plan = fit_plan(plan, config, weights)  # blocks whose heads or FP8 blocks do not split: replicated
         model = cls(config, shard_weights(weights, plan, config), dtype=dtype, execution=execution)
         model.plan = plan
         return model

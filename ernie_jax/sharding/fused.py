@@ -6,9 +6,12 @@ without their KV heads, or gate columns without their up columns, and XLA would 
 before attention and before silu(gate) * up: collectives in every layer. On a plan with `fused_layout`,
 `placement.shard_weights` re-lays these leaves as t groups, [Q_i|K_i|V_i] and [gate_i|up_i], so the
 contiguous split hands device i group i, and the forward splits the fused output group by group
-(`split_fused`). One group is the checkpoint layout; a model whose heads or columns the mesh cannot
-split into whole groups (e.g. 2 KV heads on 8 devices, or FP8 groups that are not whole 128-column scale
-blocks) keeps it, and the start-up log says so.
+(`split_fused`). One group is the checkpoint layout. A model whose heads or columns the mesh cannot split
+into whole groups (e.g. 2 KV heads on 8 devices, or FP8 groups that are not whole 128-column scale blocks)
+has that block (attention, or the dense FFNs) replicated over the tensor devices instead: `fit_plan`, which
+ErnieForCausalLM.from_host applies to every plan it places weights by, and the start-up log says so.
+A plan without fused layouts (training's) keeps the rules as they are: such a leaf is split as the
+checkpoint lays it out, and XLA reshards.
 """
 
 from __future__ import annotations
@@ -45,12 +48,7 @@ def fused_groups(plan, cfg: ErnieConfig | None, leaf: str, w) -> int:
     width = w.shape[-1]
     if t == 1 or width % t:  # unsplit, or replicated by the rules
         return 1
-    parts, unit = fused_parts(cfg, leaf, width)
-    why = None
-    if any(p % (t * unit) for p in parts):
-        why = f"parts {parts} do not split into {t} groups of whole {'heads' if unit > 1 else 'columns'}"
-    elif isinstance(w, BlockFP8) and any((p // t) % w.block for p in parts):
-        why = f"{t} groups of {[p // t for p in parts]} columns are not whole {w.block}-column FP8 scale blocks"
+    why = _group_problem(cfg, leaf, w, t)
     if why is None:
         return t
     key = (leaf, tuple(w.shape), t)
@@ -59,6 +57,60 @@ def fused_groups(plan, cfg: ErnieConfig | None, leaf: str, w) -> int:
         log.info("%s %s on mesh %s keeps the checkpoint's fused layout (%s): XLA reshards its output before "
                     "use", leaf, tuple(w.shape), dict(plan.mesh.shape), why)
     return 1
+
+
+def _group_problem(cfg: ErnieConfig | None, leaf: str, w, t: int) -> str | None:
+    """Why fused leaf w cannot be laid out as t whole groups, or None."""
+    parts, unit = fused_parts(cfg, leaf, w.shape[-1])
+    if any(p % (t * unit) for p in parts):
+        return f"parts {parts} do not split into {t} groups of whole {'heads' if unit > 1 else 'columns'}"
+    if isinstance(w, BlockFP8) and any((p // t) % w.block for p in parts):
+        return f"{t} groups of {[p // t for p in parts]} columns are not whole {w.block}-column FP8 scale blocks"
+    return None
+
+
+# The logical axes a block's weights and activations split on over "tensor": attention, and the dense FFNs
+# (shared experts included); the routed experts and the vocabulary split on their own.
+BLOCK_AXES = {"attention": ("qkv", "heads", "q_heads", "kv_heads"), "dense FFN": ("mlp",)}
+_BLOCK_LEAVES = {"attention": (("qkv", "o"), "qkv"), "dense FFN": (("up_gate", "down"), "mlp")}
+
+
+def fit_plan(plan, cfg: ErnieConfig, weights: dict):
+    """plan, with attention or the dense FFNs replicated over the devices their axes map to where the model's
+    leaves there cannot split into whole groups per device (whole query and KV heads; [gate|up] halves; FP8
+    scale blocks, the fused leaves' columns and the row-split leaves' rows alike). Split anyway, XLA would
+    reshard the block's activations in every layer (tens of collectives a step for a small model on four
+    devices); replicated, the block runs on each device without one, as the rules already replicate a single
+    dimension the mesh does not divide. The start-up log says which block and why. No change to a plan
+    without fused layouts (training keeps the checkpoint's) or where every block splits."""
+    if plan is None or not plan.fused_layout:
+        return plan
+    layers = []
+    for seg in weights["segments"]:
+        layers += seg if isinstance(seg, list) else [seg]
+    if "mtp" in weights:
+        layers.append(weights["mtp"]["layer"])
+    drop = []
+    for block, ((fused, rows), axis) in _BLOCK_LEAVES.items():
+        t = plan.size_of(plan.axes_of(axis))
+        if t == 1:
+            continue
+        why = None
+        if block == "attention" and (cfg.num_attention_heads % t or cfg.num_key_value_heads % t):
+            why = f"{cfg.num_attention_heads} query and {cfg.num_key_value_heads} KV heads do not both split {t} ways"
+        for layer in layers:
+            for name in (fused, "shared_" + fused) if block != "attention" else (fused,):
+                w = layer.get(name)
+                if why is None and w is not None:
+                    why = _group_problem(cfg, fused, w, t)
+                    r = layer.get(name.replace(fused, rows))
+                    if why is None and isinstance(r, BlockFP8) and (r.shape[-2] // t) % r.block:
+                        why = f"{name.replace(fused, rows)}'s {r.shape[-2]} rows are not whole {r.block}-row FP8 " \
+                              f"scale blocks on {t} devices"
+        if why is not None:
+            drop += BLOCK_AXES[block]
+            log.info("%s replicated over mesh axes %s of %s: %s", block, plan.axes_of(axis), dict(plan.mesh.shape), why)
+    return plan if not drop else plan.without(drop)
 
 
 def split_fused(y, parts: tuple[int, ...], groups: int) -> list:

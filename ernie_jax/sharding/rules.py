@@ -14,7 +14,8 @@ Presets:
 - "dp_attn_ep": attention, dense FFN and vocabulary replicated, batch over "data"; experts over all
   three axes (tokens are gathered into the MoE block and scattered back).
 Dense FFNs (and shared experts) are split over "tensor" by width: `up_gate` by its fused [gate|up] output
-columns, `down` by its input rows. Weights placed by a plan with `fused_layout` (the default) hold their
+columns, `down` by its input rows. A model whose attention or dense FFNs cannot split into whole heads and
+scale blocks per device has that block replicated instead (fused.fit_plan, `ShardingPlan.without`). Weights placed by a plan with `fused_layout` (the default) hold their
 fused [Q|K|V] and [gate|up] columns in one group per tensor shard (fused.py), so attention and the SwiGLU
 activation need no collective; "dp_attn_ep" replicates the dense FFNs instead.
 """
@@ -22,7 +23,7 @@ activation need no collective; "dp_attn_ep" replicates the dense FFNs instead.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -95,6 +96,10 @@ class ShardingPlan:
                 raise ShardingError(f"sharding rules map two axes of {leaf!r} {logical} onto the same mesh axis "
                                     f"({used}); each mesh axis can split a tensor only once")
         return cls(mesh, tuple(sorted(table.items())), fused_layout)
+
+    def without(self, logical: Sequence[str]) -> "ShardingPlan":
+        """This plan with the `logical` axes replicated (mapped to no mesh axis)."""
+        return dataclasses.replace(self, rules=tuple((k, () if k in logical else v) for k, v in self.rules))
 
     @property
     def table(self) -> dict[str, tuple[str, ...]]:
