@@ -17,6 +17,7 @@ from jax import lax
 
 from ernie_jax.model.forward import forward, mtp_draft
 from ernie_jax.sampling import MAX_LOGPROBS, sample, speculative_verify
+from ernie_jax.sharding.rules import constrain
 
 
 def _step(weights, input_ids, positions, cache, logit_positions, block_tables, sampling, *, cfg, plan, ex,
@@ -27,9 +28,24 @@ def _step(weights, input_ids, positions, cache, logit_positions, block_tables, s
     them without min-p, penalties or logprob alternatives: most batches need nothing more (plain_sampling),
     and sampling inside the step saves launching a second program per step. Other batches sample the
     returned logits."""
-    out = forward(weights, cfg, input_ids, positions, cache, logit_positions, plan, block_tables, batch_invariant, ex)
+    out = _gathered(forward(weights, cfg, input_ids, positions, cache, logit_positions, plan, block_tables,
+                            batch_invariant, ex), plan)
     counts = _expert_counts(out.expert_ids, logit_positions, input_ids.shape, cfg)
     return out.logits, out.cache, counts, sample(out.logits, *sampling)
+
+
+def _gathered(out, plan):
+    """The forward's output with its logits whole on every device (they leave the step replicated anyway), so
+    the sampler runs on each device as on one: partitioned over a vocabulary split, its sort, cumulative sum
+    and draws took a dozen collectives a step, and at XLA:CPU's lowest optimisation level a sampled step on
+    four devices took 0.75 s against 10 ms greedy."""
+    if plan is None:
+        return out
+    lead = (None,) * (out.logits.ndim - 1)
+    # pinned as the LM head computes them first: a lone replicated constraint propagates back into the head,
+    # which then gathers its vocabulary-split weight instead of the logits
+    split = constrain(out.logits, plan, lead + ("vocab",))
+    return out._replace(logits=constrain(split, plan, lead + (None,)))
 
 
 
@@ -39,7 +55,8 @@ def _spec_prefill_step(weights, input_ids, positions, cache, logit_positions, bl
     """_step that also runs the MTP block over the chunk (writing its KV) and drafts k tokens after each
     row's last real token. next_tokens [B]: the prompt token after the chunk, or -1 when the chunk ends the
     prompt (then it is the token sampled here). -> _step's outputs and drafts [B,k]."""
-    out = forward(weights, cfg, input_ids, positions, cache, logit_positions, plan, block_tables, batch_invariant, ex)
+    out = _gathered(forward(weights, cfg, input_ids, positions, cache, logit_positions, plan, block_tables,
+                            batch_invariant, ex), plan)
     counts = _expert_counts(out.expert_ids, logit_positions, input_ids.shape, cfg)
     sampled = sample(out.logits, *sampling)
     B = input_ids.shape[0]
@@ -70,7 +87,8 @@ def _verify_step(weights, input_ids, positions, cache, logit_positions, block_ta
     MTP block reads (emitted token, target state) at each position and drafts the next k after the last
     accepted one. logit_positions [B]: k for real rows, -1 for padding. -> (logits [B,V] after the last
     token, cache, counts, (tokens [B,k+1], accepted [B]), drafts [B,k])."""
-    out = forward(weights, cfg, input_ids, positions, cache, None, plan, block_tables, batch_invariant, ex)
+    out = _gathered(forward(weights, cfg, input_ids, positions, cache, None, plan, block_tables, batch_invariant, ex),
+                    plan)
     counts = _expert_counts(out.expert_ids, logit_positions, input_ids.shape, cfg)
     tokens, accepted = speculative_verify(out.logits, input_ids[:, 1:], *sampling, max_accept)
     drafts, cache = mtp_draft(weights, cfg, tokens, out.hidden, positions, out.cache, block_tables, accepted, k, plan,
