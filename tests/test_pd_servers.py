@@ -415,3 +415,24 @@ def test_the_router_admits_servers_whose_kv_fits_whatever_their_meshes_and_refus
         admit(role="prefill")
     admit(shards="[\"2 devices\"]")
     assert decode.info["kv_layout"]["shards"] == "[\"2 devices\"]"
+
+
+def test_fan_out_sends_one_part_per_prompt_and_sample_and_leaves_the_rest_whole():
+    """router/fanout.fan_out, no server: parts in choice order (prompt x n + sample), sample j seeded seed + j
+    wrapping within 64 bits as SamplingParams.for_sample; requests it cannot send apart unchanged stay whole."""
+    from ernie_jax.router.fanout import fan_out
+    from ernie_jax.sampling import SamplingParams
+    body = {"prompt": ["a", "b"], "n": 2, "seed": 2**64 - 1, "best_of": 2}
+    parts = fan_out("/v1/completions", body, 16, 1024)
+    assert [(p["prompt"], p["n"], p["seed"], "best_of" in p) for p in parts] == [
+        ("a", 1, 2**64 - 1, False), ("a", 1, 0, False), ("b", 1, 2**64 - 1, False), ("b", 1, 0, False)]
+    assert [p["seed"] for p in parts[:2]] == [SamplingParams(n=2, seed=2**64 - 1).for_sample(j).seed for j in (0, 1)]
+    assert [p["prompt"] for p in fan_out("/v1/completions", {"prompt": [[1, 2], [3]]}, 16, 1024)] == [[1, 2], [3]]
+    assert len(fan_out("/v1/chat/completions", {"messages": [], "n": 3}, 16, 1024)) == 3
+    for path, whole in [("/v1/completions", {"prompt": "x"}), ("/v1/completions", {"prompt": [1, 2, 3]}),
+                        ("/v1/completions", {"prompt": "x", "n": 17}), ("/v1/completions", {"prompt": "x", "n": "2"}),
+                        ("/v1/completions", {"prompt": "x", "n": 2, "seed": 2**64}),
+                        ("/v1/completions", {"prompt": "x", "n": 2, "best_of": 3}),
+                        ("/v1/completions", {"prompt": ["x", "y"], "echo": True}),
+                        ("/v1/completions", {"prompt": ["x"] * 1025}), ("/v1/completions", {"prompt": ["x", 1]})]:
+        assert fan_out(path, whole, 16, 1024) is None, whole

@@ -6,7 +6,8 @@ are relayed as they arrive with their choice index rewritten.
 Sample j of a seeded request carries seed + j (sampling.sample_seed, the rule a server applies to its own n
 samples), so the texts equal one server's. A request this cannot send apart unchanged (an n or seed out of
 range, more samples than the servers allow, an unknown prompt form) is not fanned out: it goes whole to a
-server, whose error the client then gets as that server words it. A server's error for any one part is the
+server, whose error the client then gets as that server words it; so do requests for the prompt's echo or
+logprobs, which the router never splits. A server's error for any one part is the
 answer (the other parts' streams are closed).
 """
 
@@ -30,6 +31,8 @@ def fan_out(path: str, body: dict, max_n: int, max_prompts: int) -> list[dict] |
     be sent apart unchanged (then it goes whole to a server)."""
     n, seed = body.get("n", 1), body.get("seed")
     if not _is_int(n) or not 1 <= n <= max_n or body.get("best_of") not in (None, n):
+        return None
+    if body.get("echo") or body.get("prompt_logprobs") is not None:  # the router sends these whole
         return None
     if seed is not None and (not _is_int(seed) or not MIN_SEED <= seed <= MAX_SEED):
         return None
