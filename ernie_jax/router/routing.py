@@ -235,9 +235,9 @@ class Router:
         headers = self._headers(request)
         if not any(b.up for b in self.backends):
             return error_response("no server is up behind this router", 503)
-        pd = self.of("prefill") + self.of("decode")
-        if self.of("prefill") and self.of("decode") and (parts := fan_out(
-                path, body, min(b.info.get("max_n", 1) for b in pd), MAX_PROMPTS)) is not None:
+        prefill, decode = self.of("prefill"), self.of("decode")
+        if prefill and decode and (parts := fan_out(
+                path, body, min(b.info.get("max_n", 1) for b in prefill + decode), MAX_PROMPTS)) is not None:
             self.counts["fanned_out"] += 1
             answers = await asyncio.gather(*(self._route_one(path, part, headers) for part in parts),
                                            return_exceptions=True)
