@@ -2,7 +2,8 @@
 
 Every mesh has the three axes ("data", "expert", "tensor"), in that order, so one rules table serves all
 shapes. A plain count N means (data=1, expert=1, tensor=N): attention is split by heads over "tensor" and
-the experts over "expert" x "tensor" (see rules.py), which is how the 300B model fits 8 GPUs.
+the experts over "expert" x "tensor" (see rules.py), which is how the 300B model fits 8 GPUs (a model whose
+heads do not split whole over N has its attention replicated instead: fused.fit_plan).
 Meshes are of AxisType.Auto (docs/xla-notes.md N1): programs are sharded by their input/output shardings and by
 `shard_map` in the MoE block, never by ambient mesh context.
 """
