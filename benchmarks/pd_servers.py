@@ -1,7 +1,7 @@
 """Prefill/decode across server processes against PD inside one server, on this machine's CPU devices.
 
     python benchmarks/pd_servers.py [--setups one,split,split2] [--concurrency 1,16,64] [--out FILE]
-        [--cost cost8.json cost4.json]
+        [--cost cost8.json cost4.json] [--compile-first]
 
 Setups (the embedded model; each server sets up its own fake CPU devices):
 - one:    `python -m ernie_jax.serve --mesh 8 --pd-policy static` (prefill on 4 devices, decode on 4, one process)
@@ -159,10 +159,15 @@ def main() -> int:
     ap.add_argument("--setups", default="one,split,split2")
     ap.add_argument("--concurrency", default="1,16,64")
     ap.add_argument("--out", default=None, help="write the results as JSON")
+    ap.add_argument("--compile-first", action="store_true",
+                    help="servers compile every program before ready (--no-background-compile): no compile beside "
+                         "the measured requests")
     ap.add_argument("--cost", nargs="+", default=None, metavar="FILE",
                     help="fitted cost models (python -m ernie_jax.sim.calibrate --mesh 8, and --mesh 4 for split2's "
                          "2-device decode servers): print the simulator's prediction beside each run")
     args = ap.parse_args()
+    if args.compile_first:
+        COMMON.append("--no-background-compile")
     results = {}
     for name in args.setups.split(","):
         with setup(name) as (url, procs):
