@@ -86,7 +86,7 @@ LAYOUTS = {"one": (("prefill", 4), ("decode", 4)), "split": (("prefill", 4), ("d
            "split2": (("prefill", 4), ("decode", 2), ("decode", 2))}
 
 
-def predict(name: str, measured: dict, concurrency: int, cost_files: list[str], transfer_rows: list[dict]) -> dict:
+def predict(name: str, measured: dict, concurrency: int, costs: list, transfer_rows: list[dict]) -> dict:
     """The simulator's TTFT / TPOT for the run just measured: the same requests (lengths from the benchmark's
     own record), the same closed loop of `concurrency` clients, the servers' settings, and a cost model fitted
     to this machine (`python -m ernie_jax.sim.calibrate`; the first file that measured an instance size gives
@@ -94,11 +94,9 @@ def predict(name: str, measured: dict, concurrency: int, cost_files: list[str], 
     pull per KV token, at the prompt length nearest the benchmark's); inside one server, the fitted hand-over."""
     import math
     import numpy as np
-    from ernie_jax.sim.cost import FittedCost
     from ernie_jax.sim.simulator import SimConfig, simulate
     from ernie_jax.sim.traces import TraceRequest
 
-    costs = [FittedCost.load(f) for f in cost_files]
     coefficients = {}
     for c in reversed(costs):
         coefficients.update(c.coefficients)
@@ -168,6 +166,10 @@ def main() -> int:
     args = ap.parse_args()
     if args.compile_first:
         COMMON.append("--no-background-compile")
+    costs = None
+    if args.cost:
+        from ernie_jax.sim.cost import FittedCost
+        costs = [FittedCost.load(f) for f in args.cost]
     results = {}
     for name in args.setups.split(","):
         with setup(name) as (url, procs):
@@ -175,7 +177,7 @@ def main() -> int:
             if name in ("split", "split2"):
                 r["transfer"] = transfer(procs)
             if args.cost:
-                r["predicted"] = {c: predict(name, m, int(c), args.cost, r.get("transfer", []))
+                r["predicted"] = {c: predict(name, m, int(c), costs, r.get("transfer", []))
                                   for c, m in r["serve"].items()}
             for m in r["serve"].values():
                 del m["input_lens"], m["output_lens"]

@@ -48,8 +48,6 @@ def _gathered(out, plan):
     return out._replace(logits=constrain(split, plan, lead + (None,)))
 
 
-
-
 def _spec_prefill_step(weights, input_ids, positions, cache, logit_positions, block_tables, next_tokens, sampling,
                        *, cfg, plan, ex, batch_invariant, k):
     """_step that also runs the MTP block over the chunk (writing its KV) and drafts k tokens after each
@@ -96,7 +94,6 @@ def _verify_step(weights, input_ids, positions, cache, logit_positions, block_ta
     return out.logits[:, 0], cache, counts, (tokens, accepted), drafts
 
 
-
 def _score_step(weights, input_ids, positions, cache, logit_positions, block_tables, targets, *, cfg, plan, ex,
                 batch_invariant, num_top):
     """Prefill that also scores the chunk: the logprob of targets[b,t] (the next prompt token) after each
@@ -120,7 +117,6 @@ def _expert_counts(expert_ids, logit_positions, shape, cfg) -> jax.Array:
     ids = jnp.concatenate(expert_ids)  # [L_moe, B*T, k]
     w = jnp.broadcast_to(valid[None, :, None], ids.shape)
     return jax.vmap(lambda i, v: jnp.bincount(i.reshape(-1), v.reshape(-1), length=cfg.moe_num_experts))(ids, w)
-
 
 
 def step_program(cfg, plan, ex, weight_shardings, cache_shardings, replicated, batch_invariant: bool = False,

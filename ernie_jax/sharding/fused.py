@@ -69,10 +69,23 @@ def _group_problem(cfg: ErnieConfig | None, leaf: str, w, t: int) -> str | None:
     return None
 
 
-# The logical axes a block's weights and activations split on over "tensor": attention, and the dense FFNs
-# (shared experts included); the routed experts and the vocabulary split on their own.
-BLOCK_AXES = {"attention": ("qkv", "heads", "q_heads", "kv_heads"), "dense FFN": ("mlp",)}
-_BLOCK_LEAVES = {"attention": (("qkv", "o"), "qkv"), "dense FFN": (("up_gate", "down"), "mlp")}
+# Per block: the logical axes its weights and activations split on over "tensor" (the routed experts and the
+# vocabulary split on their own), the rules axis that sizes the split, and its (fused leaf, row-split leaf) pairs.
+_BLOCKS = {"attention": (("qkv", "heads", "q_heads", "kv_heads"), "qkv", (("qkv", "o"),)),
+           "dense FFN": (("mlp",), "mlp", (("up_gate", "down"), ("shared_up_gate", "shared_down")))}
+
+
+def _split_problem(cfg: ErnieConfig, block: str, pairs, layers: list[dict], t: int) -> str | None:
+    """Why a block's leaves cannot split into whole groups on t devices, or None."""
+    if block == "attention" and (cfg.num_attention_heads % t or cfg.num_key_value_heads % t):
+        return f"{cfg.num_attention_heads} query and {cfg.num_key_value_heads} KV heads do not both split {t} ways"
+    for layer in layers:
+        for fused, rows in pairs:
+            if (w := layer.get(fused)) is not None and (why := _group_problem(cfg, fused, w, t)):
+                return why
+            if isinstance(r := layer.get(rows), BlockFP8) and (r.shape[-2] // t) % r.block:
+                return f"{rows}'s {r.shape[-2]} rows are not whole {r.block}-row FP8 scale blocks on {t} devices"
+    return None
 
 
 def fit_plan(plan, cfg: ErnieConfig, weights: dict):
@@ -91,24 +104,10 @@ def fit_plan(plan, cfg: ErnieConfig, weights: dict):
     if "mtp" in weights:
         layers.append(weights["mtp"]["layer"])
     drop = []
-    for block, ((fused, rows), axis) in _BLOCK_LEAVES.items():
+    for block, (axes, axis, pairs) in _BLOCKS.items():
         t = plan.size_of(plan.axes_of(axis))
-        if t == 1:
-            continue
-        why = None
-        if block == "attention" and (cfg.num_attention_heads % t or cfg.num_key_value_heads % t):
-            why = f"{cfg.num_attention_heads} query and {cfg.num_key_value_heads} KV heads do not both split {t} ways"
-        for layer in layers:
-            for name in (fused, "shared_" + fused) if block != "attention" else (fused,):
-                w = layer.get(name)
-                if why is None and w is not None:
-                    why = _group_problem(cfg, fused, w, t)
-                    r = layer.get(name.replace(fused, rows))
-                    if why is None and isinstance(r, BlockFP8) and (r.shape[-2] // t) % r.block:
-                        why = f"{name.replace(fused, rows)}'s {r.shape[-2]} rows are not whole {r.block}-row FP8 " \
-                              f"scale blocks on {t} devices"
-        if why is not None:
-            drop += BLOCK_AXES[block]
+        if t > 1 and (why := _split_problem(cfg, block, pairs, layers, t)):
+            drop += axes
             log.info("%s replicated over mesh axes %s of %s: %s", block, plan.axes_of(axis), dict(plan.mesh.shape), why)
     return plan if not drop else plan.without(drop)
 
