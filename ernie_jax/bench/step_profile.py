@@ -143,6 +143,13 @@ def step_profile(args) -> int:
     weights = llm.engine.instances[-1].programs.weights
     weight_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(weights))  # device 0's
     print(f"weights as the decode program reads them: {weight_bytes / 1e6:.1f} MB a device")
+    if args.mesh:  # what crosses devices each step: every collective is a rendezvous of the mesh's devices
+        import collections
+        import re
+        hlo = llm.engine.instances[-1].programs.executables("decode")[0].as_text()
+        found = collections.Counter(re.findall(r"= \S+ (all-gather|all-reduce|all-to-all|collective-permute|"
+                                               r"reduce-scatter)(?:-start)?\(", hlo))
+        print(f"collectives in a decode program: {sum(found.values())} {dict(sorted(found.items()))}")
     print("| streams | step wall | plan | inputs | launch | read (incl. wait) | update | host total | "
           "decode program alone | weight bytes / program time | tok/s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
