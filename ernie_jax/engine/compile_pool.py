@@ -43,8 +43,8 @@ def compile_behind(queues: list[list[tuple[Callable[[], Any], Callable[[Any, flo
     list per instance in its own order of use, taken in turn. Before each program the calling thread waits
     while busy() (requests are being served), for at most max_pause seconds so constant traffic still gets
     its programs, then lowers it (Python, holding the GIL: at normal priority, so a serving thread never
-    waits for the GIL behind a starved thread) and hands the XLA compile, which releases the GIL, to a
-    worker thread at the lowest CPU priority. on_done(executable, seconds). Returns how many compiled."""
+    waits for the GIL behind a starved thread; a program in the compiled-program store is loaded instead)
+    and hands the XLA compile, which releases the GIL, to a worker thread at the lowest CPU priority. on_done(executable, seconds). Returns how many compiled."""
     done, t0 = 0, time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(1, initializer=_lowest_priority,
                                                thread_name_prefix="ernie-compile-xla") as worker:

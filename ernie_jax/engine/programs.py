@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from ernie_jax.engine.compile_pool import compile_all
 from ernie_jax.engine.config import CacheConfig
 from ernie_jax.engine.cpu_rules import cpu_expert_groups, platform
+from ernie_jax.engine.executable_store import ExecutableStore, describe
 from ernie_jax.engine.expert_moves import move_experts
 from ernie_jax.engine.multihost import collective
 from ernie_jax.engine.pool_sizing import size_pool
@@ -135,8 +136,15 @@ class ModelPrograms:
         keys = [("prefill", B, T) for B, T in prefill_buckets] + [("decode", B, self.k + 1) for B in decode_buckets]
         keys += [("score", 1, T) for T in score_buckets]
         self._lower = functools.partial(lowering, cache_abstract=cache_abstract)  # key -> Lowered
-        self._lowerings = {key: functools.partial(self._lower, key) for key in keys}
+        self._lowerings = {key: functools.partial(self._prepared, key) for key in keys}
         self.pending = len(self._lowerings)  # buckets not compiled yet
+        # A warm start loads programs from the store without lowering them (engine/executable_store.py); the
+        # key holds everything `lowering` reads besides the bucket.
+        self._store = ExecutableStore.configured(self.devices)
+        self.loaded: list[tuple[str, int, int]] = []  # the buckets whose program came from the store
+        self._signature = (repr(self.cfg), repr(self.plan), repr(self.execution), batch_invariant, self.k,
+                           self.max_pages, describe(weights_abstract), describe(cache_abstract),
+                           describe(self.replicated)) if self._store else None
         compile_all(self._jobs(first), self._publish)
 
         # The rest in order of use: the startup kinds' buckets from the smallest (light traffic runs those),
@@ -149,6 +157,18 @@ class ModelPrograms:
                 return (0, kind != "decode", (B, T))
             return (1 if key in largest else 2, kind != "decode", (B, T))
         self._rest = sorted(set(self._lowerings) - set(first), key=order)
+
+    def _prepared(self, key: tuple[str, int, int]):
+        """The bucket's program ready to compile(): the store's executable, else its Lowered (stored once
+        compiled)."""
+        if self._store is None:
+            return self._lower(key)
+        store_key = self._store.key(self._signature, key)
+        exe = self._store.load(store_key)
+        if exe is not None:
+            self.loaded.append(key)
+            return _Stored(exe)
+        return _ToStore(self._lower(key), self._store, store_key)
 
     def _jobs(self, keys) -> dict:
         return {key: (lambda key=key: self._lowerings[key]().compile()) for key in keys}
@@ -252,7 +272,7 @@ class ModelPrograms:
         if key not in self._programs:
             log.info("%s: compiling the prompt-scoring prefill for %d tokens on first use", self.name, T)
             t0 = time.perf_counter()
-            self._programs[key] = self._lower(key).compile()
+            self._programs[key] = self._prepared(key).compile()
             self.report.append((f"{self.name} prefill+prompt_logprobs", T, time.perf_counter() - t0))
         ids, positions, logit_positions, block_tables, targets = self.put(
             (ids, positions, logit_positions, block_tables, targets))
@@ -280,3 +300,23 @@ class ModelPrograms:
         return sample(logits, **args, penalties=penalties, num_logprobs=num_logprobs)
 
 
+
+
+class _Stored:
+    """An executable loaded from the store, where a Lowered is expected: compile() hands it over."""
+
+    def __init__(self, exe):
+        self.exe = exe
+
+    def compile(self):
+        return self.exe
+
+
+class _ToStore:
+    """A Lowered whose compile() also stores the executable."""
+
+    def __init__(self, lowered, store: ExecutableStore, key: str):
+        self.lowered, self.store, self.key = lowered, store, key
+
+    def compile(self):
+        return self.store.compile(self.key, self.lowered)

@@ -48,7 +48,10 @@ def startup_lines(engine) -> list[str]:
                      + (f" (not used: {op['passed_over']})" if op["passed_over"] else "")
                      + (f"; layout fallbacks: {op['layout_fallbacks']}" if op["layout_fallbacks"] else ""))
     pending = sum(i.programs.pending for i in engine.instances)
-    lines.append(f"compiled {len(report.programs)} programs in {engine.startup_seconds:.1f} s ("
+    loaded = sum(len(i.programs.loaded) for i in engine.instances)
+    lines.append(f"compiled {len(report.programs)} programs"
+                 + (f" ({loaded} loaded from the compiled-program store)" if loaded else "")
+                 + f" in {engine.startup_seconds:.1f} s ("
                  + ", ".join(f"{name} {size}: {sec:.1f}s" for name, size, sec in report.programs) + ")"
                  + (f", {pending} more compiling in the background" if pending else "")
                  + f"; max_model_len {engine.max_model_len}, max_num_seqs {engine.max_num_seqs}")

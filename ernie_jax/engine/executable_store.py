@@ -1,0 +1,187 @@
+"""Compiled step programs kept on disk under a key of what they are built from, so that a warm start loads
+them without tracing or lowering anything.
+
+JAX's persistent compilation cache is keyed by the lowered program: to find an entry, the step function must
+first be traced and lowered, which holds the GIL and costs about as much as a cache hit saves on a small
+model (benchmarks/RESULTS.md, "Warm start without lowering"). This store keys a program by everything its
+lowering is a function of, known before tracing:
+- the program: its kind and bucket (B, T), the model config, the sharding plan, the execution config, the
+  speculative depth, pages per sequence, batch invariance;
+- its arguments' shapes, dtypes, pytree structure (with static fields such as a BlockFP8's block) and
+  shardings, device ids included;
+- the software: the jax and jaxlib versions, the backend's platform version, XLA_FLAGS, JAX's config values,
+  and a hash of every source file of the ernie_jax package (any edit makes new keys);
+and stores `jax.experimental.serialize_executable`'s bytes (zlib-compressed) under the key's hash, beside JAX's cache (the
+store is on exactly when that cache is). An entry that cannot be read or loaded is logged with its file and
+compiled again; a mesh with devices of other processes never uses the store (each process must lower the
+same program as its peers). A program that JAX's cache supplied is not stored: XLA:CPU re-serializes a loaded
+executable without some of its kernels (running the copy fails with "Function ... not found"), so only
+programs compiled here are; such a program keeps the lowering path until its HLO changes. Entries are never trusted across versions: the key changes with them. The
+folder is trimmed to `max_bytes`, least recently used first.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import pickle
+import tempfile
+import threading
+import zlib
+from typing import Any
+
+import jax
+from jax import monitoring
+from jax.experimental import serialize_executable
+
+log = logging.getLogger("ernie_jax.engine")
+
+SUBDIR = "ernie_jax_programs"
+FORMAT = 1  # bump when what an entry holds changes
+
+
+_compiles = threading.local()  # .cache_hit: whether this thread's compile was a JAX persistent-cache hit
+
+
+def _note_cache_hit(event: str, **_) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _compiles.cache_hit = True
+
+
+@functools.lru_cache(maxsize=1)
+def _listen() -> None:
+    monitoring.register_event_listener(_note_cache_hit)
+
+
+@functools.lru_cache(maxsize=1)
+def source_hash() -> str:
+    """sha256 over the package's Python sources (paths and contents): a program traced from other code is
+    another program."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _sharding_text(s) -> str:
+    mesh = getattr(s, "mesh", None)
+    if mesh is not None:  # NamedSharding: the spec, the mesh's axes and its devices in mesh order
+        return (f"{s.spec}|{dict(mesh.shape)}|{mesh.device_ids.ravel().tolist()}"
+                f"|{getattr(s, 'memory_kind', None)}")
+    return f"{type(s).__name__}{sorted(d.id for d in s.device_set)}|{getattr(s, 'memory_kind', None)}"
+
+
+def describe(tree) -> str:
+    """A pytree of arrays or ShapeDtypeStructs (and their shardings) as text: structure, then per leaf its
+    shape, dtype and sharding."""
+    def leaf(x):
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            s = getattr(x, "sharding", None)
+            return f"{tuple(x.shape)}{x.dtype}@{_sharding_text(s) if s is not None else None}"
+        if hasattr(x, "device_set"):
+            return _sharding_text(x)
+        return repr(x)
+    leaves, structure = jax.tree.flatten(tree)
+    return f"{structure}:{[leaf(x) for x in leaves]}"
+
+
+def _environment() -> str:
+    backend = jax.devices()[0].client
+    config = sorted((k, repr(v)) for k, v in jax.config.values.items()
+                    if "cache" not in k and "log" not in k)
+    import jaxlib
+    return repr((FORMAT, jax.__version__, jaxlib.__version__, backend.platform, backend.platform_version,
+                 os.environ.get("XLA_FLAGS", ""), config, source_hash()))
+
+
+class ExecutableStore:
+    """Serialized executables in `directory` by key (see the module docstring)."""
+
+    def __init__(self, directory: str, devices, max_bytes: int = 2 << 30):
+        self.directory = pathlib.Path(directory)
+        self.devices = list(devices)  # the programs' device assignment (a mesh's devices in mesh order)
+        self.max_bytes = max_bytes
+
+    @classmethod
+    def configured(cls, devices) -> "ExecutableStore | None":
+        """The store for programs on `devices` (their device assignment, in order) beside JAX's persistent
+        compilation cache, or None: no cache configured, or `devices` include another process's (a program
+        spanning processes is lowered by every process alike)."""
+        root = jax.config.jax_compilation_cache_dir
+        if not root or any(d.process_index != jax.process_index() for d in devices):
+            return None
+        _listen()
+        return cls(os.path.join(os.path.expanduser(root), SUBDIR), devices)
+
+    @staticmethod
+    def key(*parts: Any) -> str:
+        """The hash of a program's description (texts from `describe` and reprs) and of the environment."""
+        return hashlib.sha256(repr((parts, _environment())).encode()).hexdigest()
+
+    def _path(self, key: str) -> pathlib.Path:
+        return self.directory / f"{key}.exe"
+
+    def load(self, key: str):
+        """The executable stored under `key`, or None (absent, or unreadable: logged, then compiled anew)."""
+        path = self._path(key)
+        try:
+            blob = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            log.warning("compiled program %s could not be read (%s); compiling it", path, e)
+            return None
+        try:
+            payload, in_tree, out_tree = pickle.loads(zlib.decompress(blob))
+            exe = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                             execution_devices=self.devices)
+        except Exception as e:  # noqa: BLE001 -- any damage to an entry means: compile it again
+            log.warning("compiled program %s could not be loaded (%s: %s); compiling it", path, type(e).__name__, e)
+            return None
+        os.utime(path)  # recently used: trimming keeps it
+        return exe
+
+    def save(self, key: str, exe) -> None:
+        """Store `exe` under `key` (written to a temporary file, then renamed: a concurrent reader sees a
+        whole entry or none). A program that cannot be serialized or written is logged and not stored."""
+        try:
+            blob = zlib.compress(pickle.dumps(serialize_executable.serialize(exe)), 1)
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+            os.replace(tmp, self._path(key))
+        except Exception as e:  # noqa: BLE001 -- the program still runs; only the next start is slower
+            log.warning("compiled program not stored in %s (%s: %s)", self.directory, type(e).__name__, e)
+            return
+        self._trim()
+
+    def _trim(self) -> None:
+        entries = []
+        for p in self.directory.glob("*.exe"):
+            try:
+                st = p.stat()
+            except FileNotFoundError:  # another process trimmed it
+                continue
+            entries.append((st.st_mtime, st.st_size, p))
+        total = sum(size for _, size, _ in entries)
+        for _, size, p in sorted(entries, key=lambda e: e[0]):
+            if total <= self.max_bytes:
+                break
+            p.unlink(missing_ok=True)
+            total -= size
+
+    def compile(self, key: str, lowered):
+        """lowered.compile(), stored under `key` unless JAX's persistent cache supplied it (module docstring)."""
+        _compiles.cache_hit = False
+        exe = lowered.compile()
+        if _compiles.cache_hit:
+            log.debug("compiled program %s came from JAX's cache: not stored", key[:12])
+        else:
+            self.save(key, exe)
+        return exe
