@@ -68,8 +68,8 @@ def run(flags: list[str], cache: str, timeout: float = 900) -> dict:
             try:
                 if httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).status_code == 200:
                     out["first answer"] = time.perf_counter() - t0
-            except httpx.TransportError:
-                time.sleep(0.2)
+            except httpx.TransportError:  # not listening yet
+                time.sleep(0.05)
         log = open(log_path).read()
         if BACKGROUND_DONE not in log:
             out["reply while compiling"], out["tok/s while compiling"] = reply(url)

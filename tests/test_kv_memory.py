@@ -239,7 +239,7 @@ def test_pool_leaves_room_for_the_heaviest_programs_temporaries(monkeypatch):
     left its first prefill 25.8 GiB short."""
     from ernie_jax.engine import pool_sizing
     from ernie_jax.engine.config import CacheConfig
-    from ernie_jax.engine.programs import ModelPrograms
+    from ernie_jax.engine.programs import ModelPrograms, compile_startup
     seen = {}
     real = pool_sizing.pages_in_memory
 
@@ -250,6 +250,7 @@ def test_pool_leaves_room_for_the_heaviest_programs_temporaries(monkeypatch):
     monkeypatch.setattr(pool_sizing, "pages_in_memory", pages_in_memory)
     programs = ModelPrograms(golden_model(), "mixed", CacheConfig(), max_pages_per_seq=4,
                              prefill_buckets=[(1, 16), (4, 16)], decode_buckets=[1, 2])
+    compile_startup([programs])
     temps = {key: exe.memory_analysis().temp_size_in_bytes for key, exe in programs._programs.items()}  # startup
     temps[("prefill", 4, 16)] = programs._lower(("prefill", 4, 16)).compile().memory_analysis().temp_size_in_bytes
     assert seen["reserve"] == max(temps[("prefill", 4, 16)], temps[("decode", 2, 1)]) > temps[("prefill", 1, 16)]

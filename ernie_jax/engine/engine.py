@@ -29,7 +29,7 @@ from ernie_jax.engine.kv_cache_manager import KVCacheManager
 from ernie_jax.engine.output_processor import OutputProcessor
 from ernie_jax.engine.page_transfer import PageTransfer
 from ernie_jax.engine.pages import PagePool
-from ernie_jax.engine.programs import ModelPrograms
+from ernie_jax.engine.programs import ModelPrograms, compile_startup
 from ernie_jax.engine.report import CompileReport, compile_report
 from ernie_jax.engine.request import Request, RequestError, RequestMetrics, RequestStatus, validate
 from ernie_jax.engine.runner import ModelRunner
@@ -144,6 +144,7 @@ class Engine:
                                   spec_stats=self.spec_stats)
             runner = ModelRunner(programs, vocab_size=self.cfg.vocab_size, stop_ids=self.outputs.stop_ids)
             instances.append(Instance(name, home, scheduler, runner, lock=self.lock, balancer=self.balancer))
+        compile_startup([i.programs for i in instances])
         if prefill_model is not None:
             prefill, decode = instances
             prefill.peer, decode.peer = decode, prefill

@@ -10,7 +10,8 @@ lowering is a function of, known before tracing:
 - its arguments' shapes, dtypes, pytree structure (with static fields such as a BlockFP8's block) and
   shardings, device ids included;
 - the software: the jax and jaxlib versions, the backend's platform version, XLA_FLAGS, JAX's config values,
-  and a hash of every source file of the ernie_jax package (any edit makes new keys);
+  and a hash of the package's source files the step functions import, transitively (an edit there makes new
+  keys);
 and stores `jax.experimental.serialize_executable`'s bytes (zlib-compressed) under the key's hash, beside JAX's cache (the
 store is on exactly when that cache is). An entry that cannot be read or loaded is logged with its file and
 compiled again; a mesh with devices of other processes never uses the store (each process must lower the
@@ -22,6 +23,7 @@ folder is trimmed to `max_bytes`, least recently used first.
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import logging
@@ -56,16 +58,56 @@ def _listen() -> None:
     monitoring.register_event_listener(_note_cache_hit)
 
 
+ROOT_MODULE = "ernie_jax.engine.step_functions"  # what every stored program is traced from
+
+
+def _module_file(root: pathlib.Path, module: str) -> pathlib.Path | None:
+    base = root.joinpath(*module.split(".")[1:])
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def traced_sources() -> list[pathlib.Path]:
+    """The package's source files a step program is traced from: the step functions and every ernie_jax module
+    they import, transitively (read from the import statements). Edits elsewhere (the server, the router,
+    benchmarks) leave the stored programs valid."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    todo, seen = [ROOT_MODULE], {}
+    while todo:
+        module = todo.pop()
+        path = _module_file(root, module)
+        if path is None or module in seen:
+            continue
+        seen[module] = path
+        for node in ast.walk(ast.parse(path.read_bytes())):
+            if isinstance(node, ast.Import):
+                todo += [a.name for a in node.names if a.name.startswith("ernie_jax")]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ernie_jax"):
+                todo.append(node.module)  # and its names, where they are submodules
+                todo += [f"{node.module}.{a.name}" for a in node.names]
+    return sorted(set(seen.values()))
+
+
+_hash_lock = threading.Lock()  # compile threads ask at once; ast.parse is not safe across threads in 3.11
+
+
 @functools.lru_cache(maxsize=1)
-def source_hash() -> str:
-    """sha256 over the package's Python sources (paths and contents): a program traced from other code is
-    another program."""
+def _source_hash() -> str:
     root = pathlib.Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
+    for path in traced_sources():
         h.update(str(path.relative_to(root)).encode())
         h.update(path.read_bytes())
     return h.hexdigest()
+
+
+def source_hash() -> str:
+    """sha256 over the traced sources (paths and contents): a program traced from other code is another
+    program."""
+    with _hash_lock:
+        return _source_hash()
 
 
 def _sharding_text(s) -> str:

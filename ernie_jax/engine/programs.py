@@ -3,8 +3,9 @@ executable per bucketed shape (engine/shapes.py) of the step functions (engine/s
 
 Prefill programs have shape (B, T), decode programs a batch size B (one token for each of B sequences, or
 k + 1 with speculative decoding). Every executable donates the pool and has explicit input and output
-shardings, so the pool is updated in place and never leaves its devices. The constructor compiles the
-largest bucket of each kind (of `startup_kinds`), which serves any request; `compile_rest` the others,
+shardings, so the pool is updated in place and never leaves its devices. `compile_startup` compiles the
+largest bucket of each kind (of `startup_kinds`), which serves any request, for all of an engine's instances
+at once; `compile_rest` the others,
 which join `shapes` as each is ready (`take_rest` hands them to a compile thread behind a serving
 engine). A prefill that also returns prompt logprobs compiles on first use unless listed in
 score_buckets. `report` lists programs and compile seconds (they compile in parallel, so they overlap).
@@ -57,7 +58,7 @@ class ModelPrograms:
         speculative_tokens: k > 0 for MTP speculative decoding: the pool holds the MTP block's KV too,
         prefill programs also draft k tokens, decode programs verify k drafts (T = k + 1) and draft again.
         expert_placement: the redundant-expert placement the model's weights were laid out in (EPLB), or None.
-        startup_kinds: the kinds whose largest bucket compiles in the constructor; the rest wait for
+        startup_kinds: the kinds whose largest bucket compile_startup() compiles; the rest wait for
         compile_rest() or take_rest() (in order of use, below)."""
         self.cfg, self.plan, self.name, self.execution = model.config, model.plan, name, model.execution
         self.leader = None  # a mesh across processes: the followers replay each @collective call (multihost.py)
@@ -145,7 +146,7 @@ class ModelPrograms:
         self._signature = (repr(self.cfg), repr(self.plan), repr(self.execution), batch_invariant, self.k,
                            self.max_pages, describe(weights_abstract), describe(cache_abstract),
                            describe(self.replicated)) if self._store else None
-        compile_all(self._jobs(first), self._publish)
+        self._first = first
 
         # The rest in order of use: the startup kinds' buckets from the smallest (light traffic runs those),
         # then the other kind's largest (role switching can start), its other buckets, prompt scoring.
@@ -169,6 +170,10 @@ class ModelPrograms:
             self.loaded.append(key)
             return _Stored(exe)
         return _ToStore(self._lower(key), self._store, store_key)
+
+    def startup_jobs(self) -> dict:
+        """The largest bucket of each start-up kind, as compile jobs (compile_startup)."""
+        return self._jobs(self._first)
 
     def _jobs(self, keys) -> dict:
         return {key: (lambda key=key: self._lowerings[key]().compile()) for key in keys}
@@ -300,6 +305,13 @@ class ModelPrograms:
         return sample(logits, **args, penalties=penalties, num_logprobs=num_logprobs)
 
 
+
+
+def compile_startup(instances: list[ModelPrograms]) -> None:
+    """Every instance's start-up programs on one thread pool: each compile (or load) is CPU work of its own,
+    so a PD engine's two instances take one program's time, not two."""
+    jobs = {(i, key): job for i, programs in enumerate(instances) for key, job in programs.startup_jobs().items()}
+    compile_all(jobs, lambda ik, exe, seconds: instances[ik[0]]._publish(ik[1], exe, seconds))
 
 
 class _Stored:

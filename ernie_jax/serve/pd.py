@@ -15,7 +15,6 @@ import logging
 import time
 from typing import Any
 
-import httpx
 from fastapi import Request
 
 from ernie_jax.engine.kv_connector import KV_LOAD_FAILURE_POLICIES, KVExporter, KVImporter, KVLayout, KVTransferError
@@ -172,6 +171,8 @@ class PDServer:
     async def _fetch(self, url: str, rid: str, skip: int):
         """The request's page batch from the prefill server at url: an offer, then a pull (tried twice); on
         failure None (recompute) or a 502 (kv_load_failure_policy "fail")."""
+        import httpx  # here: only a decode server pulls, and a mixed server starts 0.2 s sooner without it
+
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         why = ""
         try:
