@@ -11,14 +11,15 @@ lowering is a function of, known before tracing:
   shardings, device ids included;
 - the software: the jax and jaxlib versions, the backend's platform version, XLA_FLAGS, JAX's config values,
   and a hash of the package's source files the step functions import, transitively (an edit there makes new
-  keys);
-and stores `jax.experimental.serialize_executable`'s bytes (zlib-compressed) under the key's hash, beside JAX's cache (the
-store is on exactly when that cache is). An entry that cannot be read or loaded is logged with its file and
-compiled again; a mesh with devices of other processes never uses the store (each process must lower the
-same program as its peers). A program that JAX's cache supplied is not stored: XLA:CPU re-serializes a loaded
-executable without some of its kernels (running the copy fails with "Function ... not found"), so only
-programs compiled here are; such a program keeps the lowering path until its HLO changes. Entries are never trusted across versions: the key changes with them. The
-folder is trimmed to `max_bytes`, least recently used first.
+  keys; entries are never trusted across versions);
+and stores `jax.experimental.serialize_executable`'s bytes (zlib-compressed) under the key's hash, beside
+JAX's cache (the store is on exactly when that cache is), trimmed to `max_bytes`, least recently used first.
+
+An entry that cannot be read or loaded is logged with its file and compiled again. A mesh with devices of
+other processes never uses the store (each process must lower the same program as its peers). A program that
+JAX's cache supplied is not stored: XLA:CPU re-serializes a loaded executable without some of its kernels
+(running the copy fails with "Function ... not found"), so only programs compiled here are stored, and a
+program whose key changed but whose HLO did not keeps the lowering path until its HLO changes.
 """
 
 from __future__ import annotations
