@@ -12,7 +12,9 @@ from jax.experimental.compilation_cache import compilation_cache
 from ernie_jax import LLM, SamplingParams
 from ernie_jax.engine import executable_store
 from ernie_jax.engine.executable_store import ExecutableStore, describe
-from tests.test_engine import SMALL, golden_model
+from tests.test_engine import golden_model
+
+FEW_BUCKETS = dict(max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16)  # 3 programs to compile
 
 
 @pytest.fixture
@@ -30,12 +32,12 @@ def store_dir(tmp_path):
 def test_a_second_engine_loads_every_program_from_the_store_and_answers_the_same(store_dir):
     prompts = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 10, 11, 12, 13, 14, 15]}]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    first = LLM(golden_model(), **SMALL, background_compile=False)
+    first = LLM(golden_model(), **FEW_BUCKETS, background_compile=False)
     programs = first.engine.instances[0].programs
     assert programs.loaded == [] and len(list(store_dir.glob("*.exe"))) == len(programs._programs)
     expected = [o.outputs[0].token_ids for o in first.generate(prompts, sp)]
 
-    second = LLM(golden_model(), **SMALL, background_compile=False)
+    second = LLM(golden_model(), **FEW_BUCKETS, background_compile=False)
     again = second.engine.instances[0].programs
     assert sorted(again.loaded) == sorted(programs._programs)  # nothing lowered or compiled
     assert [o.outputs[0].token_ids for o in second.generate(prompts, sp)] == expected
