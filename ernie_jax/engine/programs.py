@@ -137,8 +137,9 @@ class ModelPrograms:
         keys = [("prefill", B, T) for B, T in prefill_buckets] + [("decode", B, self.k + 1) for B in decode_buckets]
         keys += [("score", 1, T) for T in score_buckets]
         self._lower = functools.partial(lowering, cache_abstract=cache_abstract)  # key -> Lowered
-        self._lowerings = {key: functools.partial(self._prepared, key) for key in keys}
-        self.pending = len(self._lowerings)  # buckets not compiled yet
+        # key -> () -> the bucket's program ready to compile(): a Lowered, or an executable from the store
+        self._preparers = {key: functools.partial(self._prepared, key) for key in keys}
+        self.pending = len(self._preparers)  # buckets not compiled yet
         # A warm start loads programs from the store without lowering them (engine/executable_store.py); the
         # key holds everything `lowering` reads besides the bucket.
         self._store = ExecutableStore.configured(self.devices)
@@ -157,7 +158,7 @@ class ModelPrograms:
             if kind in startup_kinds:
                 return (0, kind != "decode", (B, T))
             return (1 if key in largest else 2, kind != "decode", (B, T))
-        self._rest = sorted(set(self._lowerings) - set(first), key=order)
+        self._rest = sorted(set(self._preparers) - set(first), key=order)
 
     def _prepared(self, key: tuple[str, int, int]):
         """The bucket's program ready to compile(): the store's executable, else its Lowered (stored once
@@ -176,7 +177,7 @@ class ModelPrograms:
         return self._jobs(self._first)
 
     def _jobs(self, keys) -> dict:
-        return {key: (lambda key=key: self._lowerings[key]().compile()) for key in keys}
+        return {key: (lambda key=key: self._preparers[key]().compile()) for key in keys}
 
     def compile_rest(self, workers: int | None = None) -> None:
         """Compile the buckets the constructor left (all but the largest of each kind)."""
@@ -188,11 +189,11 @@ class ModelPrograms:
         log.info("%s: %d more buckets compiled in %.1f s", self.name, len(keys), time.perf_counter() - t0)
 
     def take_rest(self) -> list[tuple[Any, Any]]:
-        """The buckets left to compile, in order, as (lower() -> Lowered, on_done(executable, seconds)) pairs
-        for compile_pool.compile_behind (which a shutting-down engine cancels); compile_rest() then has
-        nothing left."""
+        """The buckets left to compile, in order, as (lower() -> Lowered or stored program, on_done(executable,
+        seconds)) pairs for compile_pool.compile_behind (which a shutting-down engine cancels); compile_rest()
+        then has nothing left."""
         keys, self._rest = self._rest, []
-        return [(self._lowerings[key], functools.partial(self._publish, key)) for key in keys]
+        return [(self._preparers[key], functools.partial(self._publish, key)) for key in keys]
 
     def _publish(self, key: tuple[str, int, int], exe, seconds: float) -> None:
         kind, B, T = key
@@ -220,7 +221,7 @@ class ModelPrograms:
         if exe is None:
             log.info("%s: compiling %s on first use", self.name, key)
             t0 = time.perf_counter()
-            exe = self._lowerings[key]().compile()
+            exe = self._preparers[key]().compile()
             self._programs[key] = exe
             self.report.append((f"{self.name} {key[0]} on first use", key[1:], time.perf_counter() - t0))
         return exe
@@ -303,8 +304,6 @@ class ModelPrograms:
         args = self.put(arrays)  # None entries stay None
         penalties = args.pop("penalties")
         return sample(logits, **args, penalties=penalties, num_logprobs=num_logprobs)
-
-
 
 
 def compile_startup(instances: list[ModelPrograms]) -> None:
