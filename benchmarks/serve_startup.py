@@ -2,6 +2,7 @@
 the background compiles run and after they finished, cold and warm.
 
     python benchmarks/serve_startup.py [--runs cold,warm] [-- SERVER FLAGS...]
+    python benchmarks/serve_startup.py --against-one-device 3 -- --mesh 8
 
 "cold" uses an empty persistent compilation cache (every program compiles), "warm" the cache the cold run
 filled. Each run launches `python -m ernie_jax.serve`, polls POST /v1/chat/completions until it answers
@@ -10,6 +11,11 @@ and again once the log says they finished (the server idle): each reply's second
 (tokens after the first over the seconds after the first). The phases come from the server's log: read
 (checkpoint into host memory), place (weights onto the devices), engine (KV pools and start-up programs),
 ready (launch to listening).
+
+--against-one-device N: one stream's idle decode rate with the given flags against the one-device server in
+the same run: after a cold start of each (filling its own cache), N rounds of a warm start of each, one after
+the other, each measuring the median of three idle 48-token replies; prints each round's ratio and the median
+(process to process the rate on a small VM varies, so the rounds alternate).
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ def reply(url: str) -> tuple[float, float]:
     return total, rate
 
 
-def run(flags: list[str], cache: str, timeout: float = 900) -> dict:
+def run(flags: list[str], cache: str, timeout: float = 900, idle_replies: int = 1) -> dict:
     port, log_path = free_port(), tempfile.mktemp(suffix=".log")
     url = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
@@ -77,7 +83,8 @@ def run(flags: list[str], cache: str, timeout: float = 900) -> dict:
             if time.perf_counter() - t0 > timeout:
                 raise SystemExit(f"the background compiles did not finish; log: {log_path}")
             time.sleep(0.5)
-        out["reply idle"], out["tok/s idle"] = reply(url)
+        idle = sorted((reply(url) for _ in range(idle_replies)), key=lambda r: r[1])
+        out["reply idle"], out["tok/s idle"] = idle[len(idle) // 2]
         log = open(log_path).read()
         if m := re.search(r"start-up: (.*)", log):
             out.update({k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) s", m.group(1))})
@@ -94,14 +101,34 @@ def run(flags: list[str], cache: str, timeout: float = 900) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", default="cold,warm")
+    ap.add_argument("--against-one-device", type=int, default=0, metavar="N",
+                    help="N alternated warm rounds: idle one-stream tok/s with FLAGS against one device")
     ap.add_argument("flags", nargs="*", help="server flags (after --), e.g. -- --mesh 8")
     args = ap.parse_args()
+    if args.against_one_device:
+        return against_one_device(args.flags, args.against_one_device)
     cache = tempfile.mkdtemp(prefix="ernie_jax_startup_cache_")
     for name in args.runs.split(","):
         out = run(args.flags, cache)
         print(f"{name} ({' '.join(args.flags) or 'one device'}): "
               + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in out.items()),
               flush=True)
+    return 0
+
+
+def against_one_device(flags: list[str], rounds: int) -> int:
+    setups = {" ".join(flags): flags, "one device": []}
+    caches = {name: tempfile.mkdtemp(prefix="ernie_jax_startup_cache_") for name in setups}
+    for name, f in setups.items():  # cold: fills the cache, not measured
+        run(f, caches[name])
+    ratios = []
+    for r in range(rounds):
+        rates = {name: run(f, caches[name], idle_replies=3)["tok/s idle"] for name, f in setups.items()}
+        ratios.append(rates[" ".join(flags)] / rates["one device"])
+        print(f"round {r + 1}: " + ", ".join(f"{name} {v:.1f} tok/s" for name, v in rates.items())
+              + f"; ratio {ratios[-1]:.2f}", flush=True)
+    print(f"one stream, idle, {' '.join(flags)} against one device: {sorted(ratios)[len(ratios) // 2]:.2f}x "
+          f"(median of {rounds} rounds)")
     return 0
 
 
