@@ -85,3 +85,12 @@ def test_the_source_hash_covers_what_programs_are_traced_from_and_not_the_server
     assert {"engine/step_functions.py", "model/forward.py", "ops/routed_experts/capacity.py", "quant/block_fp8.py",
             "sampling.py", "sharding/fused.py"} <= names
     assert not names & {"serve/api.py", "router/routing.py", "engine/scheduler.py", "llm.py"}
+
+
+def test_no_store_when_jaxs_cache_is_off(store_dir):
+    assert ExecutableStore.configured(jax.devices()[:1]) is not None
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        assert ExecutableStore.configured(jax.devices()[:1]) is None
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)

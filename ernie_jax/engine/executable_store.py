@@ -153,10 +153,12 @@ class ExecutableStore:
     @classmethod
     def configured(cls, devices) -> "ExecutableStore | None":
         """The store for programs on `devices` (their device assignment, in order) beside JAX's persistent
-        compilation cache, or None: no cache configured, or `devices` include another process's (a program
-        spanning processes is lowered by every process alike)."""
+        compilation cache, or None: no cache configured (or JAX's cache turned off), or `devices` include
+        another process's (a program spanning processes is lowered by every process alike)."""
         root = jax.config.jax_compilation_cache_dir
-        if not root or any(d.process_index != jax.process_index() for d in devices):
+        if not root or not jax.config.jax_enable_compilation_cache:
+            return None
+        if any(d.process_index != jax.process_index() for d in devices):
             return None
         _listen()
         return cls(os.path.join(os.path.expanduser(root), SUBDIR), devices)
