@@ -1,6 +1,7 @@
 """Helpers for tests that run `python -m ernie_jax.serve` as a real process on loopback: start one, read its
-Prometheus metrics, wait for it to be idle."""
+Prometheus metrics, wait for it to be idle, send a burst of prompts."""
 
+import asyncio
 import contextlib
 import os
 import socket
@@ -117,3 +118,24 @@ def wait_idle(url: str, timeout: float = 30) -> dict:
             return m
         time.sleep(0.2)
     raise AssertionError(f"requests still running after {timeout}s: {m}")
+
+
+def prompt_burst(url: str, n: int, first: int = 0, prompt_len: int = 200, max_tokens: int = 8) -> list[float]:
+    """n streamed completions sent at once, prompts first .. first + n - 1 (token ids; prompts of different
+    numbers share no prefix, below 900); each one's seconds to its first token."""
+    from ernie_jax.assets import EMBEDDED_MODEL_NAME
+
+    async def one(client, i):
+        body = {"model": EMBEDDED_MODEL_NAME, "prompt": [10 + (13 * j + i) % 900 for j in range(prompt_len)],
+                "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+        t0 = time.perf_counter()
+        async with client.stream("POST", url + "/v1/completions", json=body, headers=AUTH) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    assert '"error"' not in line, line
+                    return time.perf_counter() - t0
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(first, first + n)))
+    return asyncio.run(run())

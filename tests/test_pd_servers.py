@@ -2,7 +2,6 @@
 `python -m ernie_jax.router`), 4 fake CPU devices each, on loopback: the prompt's KV moves between the
 processes through jax.experimental.transfer (engine/kv_connector.py)."""
 
-import asyncio
 import json
 import subprocess
 import sys
@@ -14,7 +13,8 @@ import openai
 import pytest
 
 from ernie_jax.assets import EMBEDDED_MODEL_NAME
-from tests.serving import AUTH, KEY, ROOT, launch, metric, metrics, running_servers, wait_healthy, wait_idle
+from tests.serving import (AUTH, KEY, ROOT, launch, metric, metrics, prompt_burst, running_servers, wait_healthy,
+                           wait_idle)
 
 # Every program compiled before "ready": a background compile beside the tests (lowering holds the GIL) can
 # delay a server's answers and heartbeats by seconds on 2 busy cores.
@@ -279,6 +279,26 @@ def test_split_with_mtp_fp8_kv_and_different_meshes(variant):
             router["proc"].wait()
 
 
+def test_a_router_with_a_prefill_server_and_no_decode_server_says_so_and_serves_whole(cluster):
+    """A role without its peer: the router names the missing role at start and serves requests whole on the
+    prefill server (a role server is a whole engine), which leaves no KV waiting for a pull."""
+    p = cluster["prefill"]["url"]
+    router = launch("ernie_jax.router", ["--prefill", p, "--api-key", KEY])
+    try:
+        wait_healthy(router, time.time() + 60)
+        body = {"model": EMBEDDED_MODEL_NAME, "prompt": "The sea is", "max_tokens": 4, "temperature": 0,
+                "ignore_eos": True}
+        r = httpx.post(router["url"] + "/v1/completions", headers=AUTH, timeout=60, json=body)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+        assert metric(metrics(router["url"]), "ernie_jax_router:requests_total", path="whole") == 1
+        assert httpx.get(p + "/v1/pd/info", headers=AUTH, timeout=30).json()["transfers"]["kept"] == 0
+    finally:
+        router["proc"].kill()
+        router["proc"].wait()
+    with open(router["log"]) as f:
+        assert "prefill servers and no decode server: requests are served whole" in f.read()
+
+
 def test_dynamic_roles_across_servers_take_a_prompt_burst_on_the_decode_servers():
     """1 prefill + 2 decode servers, one router per policy over the same servers: under a burst of prompts the
     dynamic router has the decode servers prefill some prompts whole (counted) and every request completes.
@@ -294,35 +314,19 @@ def test_dynamic_roles_across_servers_take_a_prompt_burst_on_the_decode_servers(
                 wait_healthy(r, time.time() + 60)
             ttft = {}
             for policy, r in routers.items():
-                _burst(r["url"], 2)  # warm: every server has served the shapes once
-                ttft[policy] = float(np.median(_burst(r["url"], 12)))
+                prompt_burst(r["url"], 2)  # warm: every server has served the shapes once
+                ttft[policy] = float(np.median(prompt_burst(r["url"], 12)))
             m = metrics(routers["dynamic"]["url"])
             whole_on_decode = sum(v for k, v in m.items() if k.startswith("ernie_jax_router:pd_requests_total")
                                   and k.count(d1["url"]) + k.count(d2["url"]) == 2)
             print(f"TTFT p50 of a 12-prompt burst: {ttft}; prompts the decode servers took whole: {whole_on_decode}")
             assert whole_on_decode > 0, m
+            with open(p["log"]) as f:  # started without --router: the server says what that means
+                assert "--pd-role prefill without --router" in f.read()
         finally:
             for r in routers.values():
                 r["proc"].kill()
                 r["proc"].wait()
-
-
-def _burst(url: str, n: int) -> list[float]:
-    """n streamed requests of 200-token prompts sent at once; each one's seconds to its first token."""
-    async def one(client, i):
-        body = {"model": EMBEDDED_MODEL_NAME, "prompt": [10 + (13 * j + i) % 900 for j in range(200)],
-                "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True}
-        t0 = time.perf_counter()
-        async with client.stream("POST", url + "/v1/completions", json=body, headers=AUTH) as r:
-            async for line in r.aiter_lines():
-                if line.startswith("data: {"):
-                    assert '"error"' not in line, line
-                    return time.perf_counter() - t0
-
-    async def run():
-        async with httpx.AsyncClient(timeout=300) as client:
-            return await asyncio.gather(*(one(client, i) for i in range(n)))
-    return asyncio.run(run())
 
 
 def test_a_kv_transfer_port_in_use_stops_the_server_naming_the_flag():

@@ -110,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"error: {e}") from None
     log.info("routing: prefill %s, decode %s, mixed %s%s", args.prefill, args.decode, args.mixed,
              "" if router.backends else " (none yet: servers register with --router)")
+    if bool(args.prefill) != bool(args.decode):
+        have, lack = ("prefill", "decode") if args.prefill else ("decode", "prefill")
+        log.warning("%s servers and no %s server: requests are served whole, not split, until a %s server registers",
+                    have, lack, lack)
     config = uvicorn.Config(create_app(router), host=args.host, port=args.port, log_level=args.log_level,
                             access_log=False)
     server = uvicorn.Server(config)
