@@ -440,3 +440,29 @@ def test_fan_out_sends_one_part_per_prompt_and_sample_and_leaves_the_rest_whole(
                         ("/v1/completions", {"prompt": ["x", "y"], "echo": True}),
                         ("/v1/completions", {"prompt": ["x"] * 1025}), ("/v1/completions", {"prompt": ["x", 1]})]:
         assert fan_out(path, whole, 16, 1024) is None, whole
+
+
+def test_prefill_servers_are_chosen_by_prompt_prefix_within_a_load_slack():
+    """Cache affinity (unit, no server): a prompt beginning as an earlier one goes to the prefill server that
+    prefilled that one, unless it has over AFFINITY_SLACK more requests in flight than the least busy; other
+    prompts go to the least busy. Token ids, text and chat messages each name their beginning."""
+    from ernie_jax.router.routing import AFFINITY_SLACK, PREFIX_IDS, Router, prefix_key
+
+    router = Router(["http://p1", "http://p2"], ["http://d"], [])
+    p1, p2 = router.of("prefill")
+    ids = {"prompt": list(range(100, 100 + PREFIX_IDS)) + [1, 2, 3]}
+    same_start = {"prompt": list(range(100, 100 + PREFIX_IDS)) + [9]}
+    assert prefix_key(ids) == prefix_key(same_start) != prefix_key({"prompt": [7] + ids["prompt"]})
+    assert router.pick_prefill([p1, p2], ids) is p1  # first seen: the least busy (ties: fewest routed)
+    p1.in_flight = AFFINITY_SLACK  # busier, but within the slack: the prefix stays with p1
+    assert router.pick_prefill([p1, p2], same_start) is p1 and router.counts["prefill_affinity"] == 1
+    assert router.pick_prefill([p1, p2], {"prompt": [5, 6, 7]}) is p2  # a new prefix: the least busy
+    p1.in_flight = AFFINITY_SLACK + 1  # over the slack: the least busy takes it, and the prefix moves there
+    assert router.pick_prefill([p1, p2], same_start) is p2
+    p1.in_flight = 0
+    assert router.pick_prefill([p1, p2], ids) is p2
+    chat = {"messages": [{"role": "user", "content": "The sea is"}]}
+    text = {"prompt": "The sea is calm tonight."}
+    assert prefix_key(chat) is not None and prefix_key(text) != prefix_key({"prompt": "Another prompt."})
+    assert prefix_key({"prompt": None}) is None and router.pick_prefill([p1, p2], {"prompt": None}) is p1
+    assert router.pick_prefill([p2], chat) is p2  # one server: no bookkeeping

@@ -6,8 +6,9 @@ prefill and a decode server (the routes and the command line: router/app.py).
 model and KV layout (`/v1/pd/info`) and refuses a server whose role differs from its flag, or a prefill and a
 decode server whose KV layouts differ, naming the mismatch.
 
-A completion or chat request with one prompt and n = 1 goes to a prefill server (the one with the fewest
-requests the router has in flight there) with `kv_transfer_params: {"do_remote_decode": true}` and
+A completion or chat request with one prompt and n = 1 goes to a prefill server (by cache affinity: the
+server that last prefilled a prompt with the same beginning, unless it has `AFFINITY_SLACK` more requests in
+flight than the least busy one; else the least busy) with `kv_transfer_params: {"do_remote_decode": true}` and
 max_tokens 1; its answer names where the prompt's KV is, and the original request goes to a decode server
 (fewest in flight) with those parameters and the prefill server's URL; the decode server's answer, streamed
 or not, is passed through as it arrives. When the first token already ended the request (the prefill server
@@ -26,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import hashlib
 import json
 import logging
 import time
@@ -40,6 +42,25 @@ from ernie_jax.router.fanout import fan_out, merge
 from ernie_jax.serve.protocol import MAX_PROMPTS
 
 log = logging.getLogger("ernie_jax.router")
+
+PREFIX_IDS, PREFIX_CHARS = 64, 256  # what of a prompt names its beginning for cache affinity (a few KV pages)
+AFFINITY_SLACK = 2  # requests in flight a prefill server may have over the least busy one and keep its prefixes
+AFFINITY_ENTRIES = 10_000  # prompt beginnings remembered, least recently used dropped first
+
+
+def prefix_key(body: dict) -> str | None:
+    """A hash of the beginning of a request's prompt (token ids, text, or chat messages), or None when the body
+    has none the router can read (the server then answers for it)."""
+    prompt = body.get("prompt") if "messages" not in body else body.get("messages")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        material = json.dumps(prompt[:PREFIX_IDS])
+    elif isinstance(prompt, str):
+        material = prompt[:PREFIX_CHARS]
+    elif isinstance(prompt, list):  # chat messages
+        material = json.dumps(prompt, sort_keys=True, ensure_ascii=False, default=str)[:PREFIX_CHARS]
+    else:
+        return None
+    return hashlib.sha256(material.encode()).hexdigest()
 
 
 def whole_on(policy: PDPolicy, prefill: InstanceView, waiting: int, decode: InstanceView) -> str | None:
@@ -114,6 +135,7 @@ class Router:
         self.counts: collections.Counter = collections.Counter()  # routing decisions
         self.seconds: collections.Counter = collections.Counter()  # prefill-leg seconds
         self.client: httpx.AsyncClient | None = None
+        self.prefixes: collections.OrderedDict[str, str] = collections.OrderedDict()  # prefix key -> prefill URL
 
     def of(self, role: str) -> list[Backend]:
         """The servers of a role that are up."""
@@ -225,6 +247,26 @@ class Router:
     def pick(backends: list[Backend]) -> Backend:
         return min(backends, key=lambda b: (b.in_flight, b.routed))
 
+    def pick_prefill(self, backends: list[Backend], body: dict) -> Backend:
+        """The prefill server for a request: the one that last prefilled a prompt beginning as this one does
+        (its prefix cache likely holds those pages) unless it has more than AFFINITY_SLACK requests in flight
+        over the least busy one, else the least busy; the choice is remembered for the prompt's beginning."""
+        least = self.pick(backends)
+        key = prefix_key(body) if len(backends) > 1 else None
+        if key is None:
+            return least
+        last = next((b for b in backends if b.url == self.prefixes.get(key)), None)
+        if last is not None and last.in_flight <= least.in_flight + AFFINITY_SLACK:
+            self.counts["prefill_affinity"] += 1
+            chosen = last
+        else:
+            chosen = least
+        self.prefixes[key] = chosen.url
+        self.prefixes.move_to_end(key)
+        while len(self.prefixes) > AFFINITY_ENTRIES:
+            self.prefixes.popitem(last=False)
+        return chosen
+
     async def route(self, path: str, request: Request) -> Response:
         try:
             body = await request.json()
@@ -255,7 +297,7 @@ class Router:
             whole = self.of("mixed") or self.of("decode") or self.of("prefill")
             self.counts["whole"] += 1
             return await self._send(self.pick(whole), path, body, headers)
-        prefill, decode = self.pick(self.of("prefill")), self.pick(self.of("decode"))
+        prefill, decode = self.pick_prefill(self.of("prefill"), body), self.pick(self.of("decode"))
         if self.policy.mode == "dynamic" and (server := await self._switch(prefill, decode)) is not None:
             self.pd_requests[server.url, server.url] += 1
             return await self._send(server, path, body, headers)
