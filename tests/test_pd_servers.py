@@ -454,11 +454,13 @@ def test_prefill_servers_are_chosen_by_prompt_prefix_within_a_load_slack():
     same_start = {"prompt": list(range(100, 100 + PREFIX_IDS)) + [9]}
     assert prefix_key(ids) == prefix_key(same_start) != prefix_key({"prompt": [7] + ids["prompt"]})
     assert router.pick_prefill([p1, p2], ids) is p1  # first seen: the least busy (ties: fewest routed)
+    router.prefilled_on(p1, ids)
     p1.in_flight = AFFINITY_SLACK  # busier, but within the slack: the prefix stays with p1
     assert router.pick_prefill([p1, p2], same_start) is p1 and router.counts["prefill_affinity"] == 1
     assert router.pick_prefill([p1, p2], {"prompt": [5, 6, 7]}) is p2  # a new prefix: the least busy
     p1.in_flight = AFFINITY_SLACK + 1  # over the slack: the least busy takes it, and the prefix moves there
     assert router.pick_prefill([p1, p2], same_start) is p2
+    router.prefilled_on(p2, same_start)
     p1.in_flight = 0
     assert router.pick_prefill([p1, p2], ids) is p2
     chat = {"messages": [{"role": "user", "content": "The sea is"}]}

@@ -323,10 +323,9 @@ def _pd_server(engine, args):
     if args.pd_role != "mixed" and not args.router:
         # Not an error: a router may list this server by URL (--prefill / --decode), and a role server is a
         # whole engine, so requests sent to it directly are served whole.
-        log.warning("--pd-role %s without --router: this server only splits requests with a decode server when a "
-                    "router lists it (python -m ernie_jax.router --%s %s); requests sent here directly are "
-                    "served whole", args.pd_role, args.pd_role,
-                    args.advertise_url or f"http://{args.host}:{args.port}")
+        log.warning("--pd-role %s without --router: this server takes part in split requests only when a router "
+                    "lists it (python -m ernie_jax.router --%s %s); requests sent here directly are served whole",
+                    args.pd_role, args.pd_role, args.advertise_url or f"http://{args.host}:{args.port}")
     return pd
 
 
