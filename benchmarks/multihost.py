@@ -47,11 +47,11 @@ def _free_port() -> int:
 def setup(name: str, mesh: str):
     """The processes of a setup, up; yields (the URL clients send to, the processes)."""
     if name == "one":
-        procs = [launch("ernie_jax.serve", COMMON + ["--mesh", mesh])]
+        procs = [launch("ernie_jax.serve", COMMON + ["--mesh", mesh], optimized=True)]
     else:
         job = COMMON + ["--mesh", mesh, "--num-processes", "2", "--coordinator-address", f"127.0.0.1:{_free_port()}"]
-        procs = [launch("ernie_jax.serve", job + ["--process-id", "0"]),
-                 launch("ernie_jax.serve", job + ["--process-id", "1"])]
+        procs = [launch("ernie_jax.serve", job + ["--process-id", "0"], optimized=True),
+                 launch("ernie_jax.serve", job + ["--process-id", "1"], optimized=True)]
     try:
         for p in procs:
             wait_healthy(p, time.time() + 1200)

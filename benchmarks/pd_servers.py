@@ -48,11 +48,11 @@ def setup(name: str):
     procs = []
     try:
         if name == "one":
-            procs.append(launch("ernie_jax.serve", COMMON + ["--mesh", "8", "--pd-policy", "static"]))
+            procs.append(launch("ernie_jax.serve", COMMON + ["--mesh", "8", "--pd-policy", "static"], optimized=True))
         else:
-            procs.append(launch("ernie_jax.serve", COMMON + ["--mesh", "4", "--pd-role", "prefill"]))
+            procs.append(launch("ernie_jax.serve", COMMON + ["--mesh", "4", "--pd-role", "prefill"], optimized=True))
             decoders = [["--mesh", "4"]] if name == "split" else [["--mesh", "2"], ["--mesh", "2"]]
-            procs += [launch("ernie_jax.serve", COMMON + d + ["--pd-role", "decode"]) for d in decoders]
+            procs += [launch("ernie_jax.serve", COMMON + d + ["--pd-role", "decode"], optimized=True) for d in decoders]
         for p in procs:
             wait_healthy(p, time.time() + 900)
         if name == "one":
