@@ -26,7 +26,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from tests.serving import KEY, launch, metrics, prompt_burst, wait_healthy  # noqa: E402
+from tests.serving import KEY, free_port, launch, metrics, prompt_burst, wait_healthy  # noqa: E402
 
 
 def taken_whole_on_decode(url: str, decode_urls: list[str]) -> float:
@@ -43,8 +43,10 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=16)
     ap.add_argument("--decode-servers", type=int, default=2)
     args = ap.parse_args()
+    ports = {"static": free_port(), "dynamic": free_port()}  # the servers register with the dynamic router
     common = ["--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens",
-              str(args.max_num_batched_tokens), "--no-background-compile"]
+              str(args.max_num_batched_tokens), "--no-background-compile", "--router",
+              f"http://127.0.0.1:{ports['dynamic']}"]
     servers = [launch("ernie_jax.serve", common + ["--mesh", "4", "--pd-role", "prefill"], optimized=True)]
     servers += [launch("ernie_jax.serve", common + ["--mesh", "2", "--pd-role", "decode"], optimized=True)
                 for _ in range(args.decode_servers)]
@@ -56,7 +58,8 @@ def main() -> None:
         routers = {}
         for policy in ("static", "dynamic"):
             routers[policy] = launch("ernie_jax.router", ["--prefill", servers[0]["url"], "--decode", *decode_urls,
-                                                          "--api-key", KEY, "--pd-policy", policy])
+                                                          "--api-key", KEY, "--pd-policy", policy],
+                                     port=ports[policy])
             procs.append(routers[policy])
             wait_healthy(routers[policy], time.time() + 60)
         first = 0

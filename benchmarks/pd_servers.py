@@ -35,7 +35,7 @@ import httpx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from tests.serving import launch, wait_healthy  # noqa: E402
+from tests.serving import free_port, launch, wait_healthy  # noqa: E402
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -49,17 +49,19 @@ def setup(name: str):
     try:
         if name == "one":
             procs.append(launch("ernie_jax.serve", COMMON + ["--mesh", "8", "--pd-policy", "static"], optimized=True))
-        else:
-            procs.append(launch("ernie_jax.serve", COMMON + ["--mesh", "4", "--pd-role", "prefill"], optimized=True))
+        else:  # the servers register with the router, which starts once they are up and lists them
+            port = free_port()
+            join = COMMON + ["--router", f"http://127.0.0.1:{port}"]
+            procs.append(launch("ernie_jax.serve", join + ["--mesh", "4", "--pd-role", "prefill"], optimized=True))
             decoders = [["--mesh", "4"]] if name == "split" else [["--mesh", "2"], ["--mesh", "2"]]
-            procs += [launch("ernie_jax.serve", COMMON + d + ["--pd-role", "decode"], optimized=True) for d in decoders]
+            procs += [launch("ernie_jax.serve", join + d + ["--pd-role", "decode"], optimized=True) for d in decoders]
         for p in procs:
             wait_healthy(p, time.time() + 900)
         if name == "one":
             yield procs[0]["url"], procs
             return
         router = launch("ernie_jax.router", ["--prefill", procs[0]["url"], "--decode",
-                                             *[p["url"] for p in procs[1:]], "--api-key", KEY])
+                                             *[p["url"] for p in procs[1:]], "--api-key", KEY], port=port)
         procs.append(router)
         wait_healthy(router, time.time() + 60)
         yield router["url"], procs

@@ -19,7 +19,7 @@ KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -38,7 +38,7 @@ def launch(module: str, args: list[str], port: int | None = None, optimized: boo
     """`python -m module --port P ... args` on loopback (a free port unless given), started (not waited for):
     {"url", "proc", "log"}. A server module gets --api-key KEY and the tests' compilation cache; its programs
     compile with TEST_XLA_FLAGS unless optimized."""
-    port = port or _free_port()
+    port = port or free_port()
     env = {**os.environ, "XLA_FLAGS": "" if optimized else TEST_XLA_FLAGS}  # the server sets up its own devices
     env["JAX_PLATFORMS"] = "cpu"
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)

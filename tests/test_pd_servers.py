@@ -13,8 +13,8 @@ import openai
 import pytest
 
 from ernie_jax.assets import EMBEDDED_MODEL_NAME
-from tests.serving import (AUTH, KEY, ROOT, launch, metric, metrics, prompt_burst, running_servers, wait_healthy,
-                           wait_idle)
+from tests.serving import (AUTH, KEY, ROOT, free_port, launch, metric, metrics, prompt_burst, running_servers,
+                           wait_healthy, wait_idle)
 
 # Every program compiled before "ready": a background compile beside the tests (lowering holds the GIL) can
 # delay a server's answers and heartbeats by seconds on 2 busy cores.
@@ -211,9 +211,11 @@ def test_a_decode_server_killed_mid_stream_fails_its_stream_and_a_restarted_one_
     """Its own servers: the decode server is killed while streaming; the stream ends with an error event, the
     router keeps serving (the prefill server takes whole requests), and a decode server restarted on the same
     port is routed to again once the router's heartbeat sees it."""
-    with running_servers([COMMON + ["--pd-role", "prefill"], COMMON + ["--pd-role", "decode"]]) as (p, d):
+    port = free_port()
+    join = ["--router", f"http://127.0.0.1:{port}"]  # the router starts once the servers are up and lists them
+    with running_servers([COMMON + join + ["--pd-role", "prefill"], COMMON + join + ["--pd-role", "decode"]]) as (p, d):
         router = launch("ernie_jax.router", ["--prefill", p["url"], "--decode", d["url"], "--api-key", KEY,
-                                             "--heartbeat", "1"])
+                                             "--heartbeat", "1"], port=port)
         try:
             wait_healthy(router, time.time() + 60)
             client = _client(router["url"])
@@ -227,8 +229,7 @@ def test_a_decode_server_killed_mid_stream_fails_its_stream_and_a_restarted_one_
             assert client.completions.create(prompt=PROMPTS[0], max_tokens=8, **kw).choices[0].text == want
             assert httpx.get(router["url"] + "/health", timeout=30).status_code == 200
             wait_idle(p["url"])
-            port = int(d["url"].rsplit(":", 1)[1])
-            d2 = launch("ernie_jax.serve", COMMON + ["--pd-role", "decode"], port=port)
+            d2 = launch("ernie_jax.serve", COMMON + join + ["--pd-role", "decode"], port=int(d["url"].rsplit(":", 1)[1]))
             try:
                 wait_healthy(d2, time.time() + 300)
                 deadline = time.time() + 30
@@ -254,9 +255,11 @@ def test_split_with_mtp_fp8_kv_and_different_meshes(variant):
     extra = {"mtp": ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'],
              "fp8-kv": ["--kv-cache-dtype", "fp8"], "meshes-4-2": []}[variant]
     decode_mesh = ["--mesh", "2"] if variant == "meshes-4-2" else []
-    with running_servers([COMMON + extra + ["--pd-role", "prefill"],
-                          COMMON + extra + decode_mesh + ["--pd-role", "decode"]]) as (p, d):
-        router = launch("ernie_jax.router", ["--prefill", p["url"], "--decode", d["url"], "--api-key", KEY])
+    port = free_port()
+    join = ["--router", f"http://127.0.0.1:{port}"]
+    with running_servers([COMMON + extra + join + ["--pd-role", "prefill"],
+                          COMMON + extra + join + decode_mesh + ["--pd-role", "decode"]]) as (p, d):
+        router = launch("ernie_jax.router", ["--prefill", p["url"], "--decode", d["url"], "--api-key", KEY], port=port)
         try:
             wait_healthy(router, time.time() + 60)
             kw = dict(model=EMBEDDED_MODEL_NAME, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
@@ -299,15 +302,26 @@ def test_a_router_with_a_prefill_server_and_no_decode_server_says_so_and_serves_
         assert "prefill servers and no decode server: requests are served whole" in f.read()
 
 
+def test_a_role_server_without_a_router_is_refused_naming_the_flag():
+    """--pd-role prefill|decode with no --router stops at once (before anything loads) naming the flag and
+    what to do instead."""
+    from ernie_jax.serve.cli import main
+    for role in ("prefill", "decode"):
+        with pytest.raises(SystemExit, match=f"--pd-role {role} needs --router URL.*--pd-role mixed"):
+            main(["--pd-role", role])
+
+
 def test_dynamic_roles_across_servers_take_a_prompt_burst_on_the_decode_servers():
     """1 prefill + 2 decode servers, one router per policy over the same servers: under a burst of prompts the
     dynamic router has the decode servers prefill some prompts whole (counted) and every request completes.
     The TTFT p50 of both routers in the same run is printed, not asserted (speed is for benchmarks: on 2 shared
     cores the servers' processes compete for the same cores; RESULTS.md has the runs)."""
-    with running_servers([COMMON + ["--pd-role", "prefill"], COMMON + ["--mesh", "2", "--pd-role", "decode"],
-                          COMMON + ["--mesh", "2", "--pd-role", "decode"]]) as (p, d1, d2):
+    ports = {"static": free_port(), "dynamic": free_port()}
+    join = ["--router", f"http://127.0.0.1:{ports['dynamic']}"]  # registered with one; the other lists them
+    decode = COMMON + join + ["--mesh", "2", "--pd-role", "decode"]
+    with running_servers([COMMON + join + ["--pd-role", "prefill"], decode, decode]) as (p, d1, d2):
         routers = {policy: launch("ernie_jax.router", ["--prefill", p["url"], "--decode", d1["url"], d2["url"],
-                                                       "--api-key", KEY, "--pd-policy", policy])
+                                                       "--api-key", KEY, "--pd-policy", policy], port=ports[policy])
                    for policy in ("static", "dynamic")}
         try:
             for r in routers.values():
@@ -321,8 +335,6 @@ def test_dynamic_roles_across_servers_take_a_prompt_burst_on_the_decode_servers(
                                   and k.count(d1["url"]) + k.count(d2["url"]) == 2)
             print(f"TTFT p50 of a 12-prompt burst: {ttft}; prompts the decode servers took whole: {whole_on_decode}")
             assert whole_on_decode > 0, m
-            with open(p["log"]) as f:  # started without --router: the server says what that means
-                assert "--pd-role prefill without --router" in f.read()
         finally:
             for r in routers.values():
                 r["proc"].kill()
@@ -337,7 +349,8 @@ def test_a_kv_transfer_port_in_use_stops_the_server_naming_the_flag():
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         port = busy.getsockname()[1]
-        server = launch("ernie_jax.serve", COMMON + ["--pd-role", "prefill", "--kv-transfer-address",
+        server = launch("ernie_jax.serve", COMMON + ["--router", "http://127.0.0.1:9", "--pd-role", "prefill",
+                                                     "--kv-transfer-address",
                                                      f"127.0.0.1:{port}"])
         try:
             assert server["proc"].wait(timeout=300) == 1

@@ -68,7 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
            "or fail the request (vLLM's name)")
     a("--router", default=None, metavar="URL",
       help="register with this router (python -m ernie_jax.router) once serving, and again at each of its "
-           "heartbeats (5 s by default)")
+           "heartbeats (5 s by default); required with --pd-role prefill|decode (FastDeploy's --router)")
     a("--advertise-url", default=None, metavar="URL",
       help="the URL the router and peers reach this server at (default: http://HOST:PORT)")
     a("--num-processes", type=int, default=None,
@@ -135,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     from ernie_jax.serve import distributed
     from ernie_jax.sharding.mesh import MeshError, request_host_devices
     processes, process_id, coordinator = distributed.distributed_args(args)
+    if args.pd_role != "mixed" and not args.router:
+        raise SystemExit(f"--pd-role {args.pd_role} needs --router URL: a {args.pd_role} server gets its part of split "
+                         "requests from the router (python -m ernie_jax.router) and registers there; a router that is "
+                         "not up yet is retried. Without a router, serve whole requests with --pd-role mixed")
     try:
         n_devices = request_host_devices(args.mesh, processes)
     except MeshError as e:
@@ -320,12 +324,6 @@ def _pd_server(engine, args):
     elif args.pd_role == "decode":
         pd.importer = importer()
     log.info("pd role %s", args.pd_role)
-    if args.pd_role != "mixed" and not args.router:
-        # Not an error: a router may list this server by URL (--prefill / --decode), and a role server is a
-        # whole engine, so requests sent to it directly are served whole.
-        log.warning("--pd-role %s without --router: this server takes part in split requests only when a router "
-                    "lists it (python -m ernie_jax.router --%s %s); requests sent here directly are served whole",
-                    args.pd_role, args.pd_role, args.advertise_url or f"http://{args.host}:{args.port}")
     return pd
 
 
