@@ -22,7 +22,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,17 +29,12 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from tests.serving import launch, wait_healthy  # noqa: E402
+from tests.serving import free_port, launch, wait_healthy  # noqa: E402
 
 KEY = "test-key"
 COMMON = ["--no-disaggregate", "--max-model-len", "512", "--max-num-seqs", "16",
           "--max-num-batched-tokens", "128", "--no-background-compile"]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -49,7 +43,7 @@ def setup(name: str, mesh: str):
     if name == "one":
         procs = [launch("ernie_jax.serve", COMMON + ["--mesh", mesh], optimized=True)]
     else:
-        job = COMMON + ["--mesh", mesh, "--num-processes", "2", "--coordinator-address", f"127.0.0.1:{_free_port()}"]
+        job = COMMON + ["--mesh", mesh, "--num-processes", "2", "--coordinator-address", f"127.0.0.1:{free_port()}"]
         procs = [launch("ernie_jax.serve", job + ["--process-id", "0"], optimized=True),
                  launch("ernie_jax.serve", job + ["--process-id", "1"], optimized=True)]
     try:

@@ -26,13 +26,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from tests.serving import KEY, free_port, launch, metrics, prompt_burst, wait_healthy  # noqa: E402
-
-
-def taken_whole_on_decode(url: str, decode_urls: list[str]) -> float:
-    """The router's count of requests a decode server both prefilled and decoded."""
-    return sum(v for k, v in metrics(url).items() if k.startswith("ernie_jax_router:pd_requests_total")
-               and any(k.count(d) == 2 for d in decode_urls))
+from tests.serving import KEY, free_port, launch, prompt_burst, taken_whole, wait_healthy  # noqa: E402
 
 
 def main() -> None:
@@ -73,10 +67,10 @@ def main() -> None:
             order = ("static", "dynamic") if i % 2 == 0 else ("dynamic", "static")
             line = []
             for policy in order:
-                before = taken_whole_on_decode(routers["dynamic"]["url"], decode_urls)
+                before = taken_whole(routers["dynamic"]["url"], decode_urls)
                 t = prompt_burst(routers[policy]["url"], args.burst, first, args.prompt_len)
                 first += args.burst
-                whole = taken_whole_on_decode(routers["dynamic"]["url"], decode_urls) - before
+                whole = taken_whole(routers["dynamic"]["url"], decode_urls) - before
                 ttft[policy] += t
                 line.append(f"{policy} p50 {np.median(t):.2f} s" + (f" ({whole:.0f} whole on decode)"
                                                                      if policy == "dynamic" else ""))

@@ -120,6 +120,12 @@ def wait_idle(url: str, timeout: float = 30) -> dict:
     raise AssertionError(f"requests still running after {timeout}s: {m}")
 
 
+def taken_whole(router_url: str, server_urls: list[str]) -> float:
+    """The router's count of requests one of these servers both prefilled and decoded (pd_requests_total)."""
+    return sum(v for k, v in metrics(router_url).items() if k.startswith("ernie_jax_router:pd_requests_total")
+               and any(k.count(u) == 2 for u in server_urls))
+
+
 def prompt_burst(url: str, n: int, first: int = 0, prompt_len: int = 200, max_tokens: int = 8) -> list[float]:
     """n streamed completions sent at once, prompts first .. first + n - 1 (token ids; prompts of different
     numbers share no prefix, below 900); each one's seconds to its first token."""

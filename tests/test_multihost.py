@@ -1,7 +1,6 @@
 """The same sharded program under jax.distributed: 2 processes x 4 CPU devices on 127.0.0.1."""
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -13,15 +12,11 @@ from ernie_jax import ErnieForCausalLM
 from ernie_jax.config import ErnieConfig
 from ernie_jax.model.weights import init_weights
 from tests.conftest import TEST_XLA_FLAGS
+from tests.serving import free_port
 from tests.test_sharding import BASE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("mesh", ["data=2,expert=2,tensor=2", "data=1,expert=4,tensor=2"])

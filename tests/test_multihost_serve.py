@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +18,7 @@ import sentencepiece as spm
 
 from tests.conftest import GOLDEN, TEST_XLA_FLAGS
 
-from tests.serving import AUTH, ROOT, launch, server_state, wait_healthy
+from tests.serving import AUTH, ROOT, free_port, launch, server_state, wait_healthy
 
 # One prefill bucket and one decode batch (few programs to compile); heads split within a process, experts
 # across the two (the layout of one instance over two 8-GPU hosts: only the MoE's all-reduce crosses them).
@@ -46,15 +45,10 @@ def small_model(tmp_path_factory) -> str:
     return str(d)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _job(extra: list[str] = (), follower_extra: list[str] = (), timeout: float = 60) -> tuple[dict, dict]:
     """A leader and a follower of one instance on MESH, started (not waited for)."""
-    common = ["--mesh", MESH, "--num-processes", "2", "--coordinator-address", f"127.0.0.1:{_free_port()}",
+    common = ["--mesh", MESH, "--num-processes", "2", "--coordinator-address", f"127.0.0.1:{free_port()}",
               "--distributed-timeout", str(timeout), *ENGINE, *extra]
     follower = launch("ernie_jax.serve", [*common, "--process-id", "1", *follower_extra])
     leader = launch("ernie_jax.serve", [*common, "--process-id", "0"])
@@ -137,7 +131,7 @@ def test_two_processes_serve_as_one_and_a_killed_follower_ends_the_job(small_mod
 def _run(args: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
     env = {**os.environ, "XLA_FLAGS": TEST_XLA_FLAGS}
     env["JAX_PLATFORMS"] = "cpu"
-    return subprocess.run([sys.executable, "-m", "ernie_jax.serve", "--port", str(_free_port()), *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "ernie_jax.serve", "--port", str(free_port()), *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -164,7 +158,7 @@ def test_an_unreachable_coordinator_is_a_clear_error_within_the_timeout():
     abort the process without naming the flag)."""
     t0 = time.time()
     r = _run(["--mesh", "8", "--num-processes", "2", "--process-id", "1", "--coordinator-address",
-              f"127.0.0.1:{_free_port()}", "--distributed-timeout", "2"])
+              f"127.0.0.1:{free_port()}", "--distributed-timeout", "2"])
     assert r.returncode == 1 and "--coordinator-address" in r.stderr, r.stderr[-2000:]
     assert "nothing answered there within 2 s" in r.stderr
     assert time.time() - t0 < 30

@@ -14,7 +14,7 @@ import pytest
 
 from ernie_jax.assets import EMBEDDED_MODEL_NAME
 from tests.serving import (AUTH, KEY, ROOT, free_port, launch, metric, metrics, prompt_burst, running_servers,
-                           wait_healthy, wait_idle)
+                           taken_whole, wait_healthy, wait_idle)
 
 # Every program compiled before "ready": a background compile beside the tests (lowering holds the GIL) can
 # delay a server's answers and heartbeats by seconds on 2 busy cores.
@@ -330,11 +330,9 @@ def test_dynamic_roles_across_servers_take_a_prompt_burst_on_the_decode_servers(
             for policy, r in routers.items():
                 prompt_burst(r["url"], 2)  # warm: every server has served the shapes once
                 ttft[policy] = float(np.median(prompt_burst(r["url"], 12)))
-            m = metrics(routers["dynamic"]["url"])
-            whole_on_decode = sum(v for k, v in m.items() if k.startswith("ernie_jax_router:pd_requests_total")
-                                  and k.count(d1["url"]) + k.count(d2["url"]) == 2)
+            whole_on_decode = taken_whole(routers["dynamic"]["url"], [d1["url"], d2["url"]])
             print(f"TTFT p50 of a 12-prompt burst: {ttft}; prompts the decode servers took whole: {whole_on_decode}")
-            assert whole_on_decode > 0, m
+            assert whole_on_decode > 0, metrics(routers["dynamic"]["url"])
         finally:
             for r in routers.values():
                 r["proc"].kill()
@@ -466,18 +464,18 @@ def test_prefill_servers_are_chosen_by_prompt_prefix_within_a_load_slack():
     ids = {"prompt": list(range(100, 100 + PREFIX_IDS)) + [1, 2, 3]}
     same_start = {"prompt": list(range(100, 100 + PREFIX_IDS)) + [9]}
     assert prefix_key(ids) == prefix_key(same_start) != prefix_key({"prompt": [7] + ids["prompt"]})
-    assert router.pick_prefill([p1, p2], ids) is p1  # first seen: the least busy (ties: fewest routed)
-    router.prefilled_on(p1, ids)
+    assert router.pick_prefill([p1, p2], prefix_key(ids)) is p1  # first seen: the least busy (ties: fewest routed)
+    router.prefilled_on(p1, prefix_key(ids))
     p1.in_flight = AFFINITY_SLACK  # busier, but within the slack: the prefix stays with p1
-    assert router.pick_prefill([p1, p2], same_start) is p1 and router.counts["prefill_affinity"] == 1
-    assert router.pick_prefill([p1, p2], {"prompt": [5, 6, 7]}) is p2  # a new prefix: the least busy
+    assert router.pick_prefill([p1, p2], prefix_key(same_start)) is p1 and router.counts["prefill_affinity"] == 1
+    assert router.pick_prefill([p1, p2], prefix_key({"prompt": [5, 6, 7]})) is p2  # a new prefix: the least busy
     p1.in_flight = AFFINITY_SLACK + 1  # over the slack: the least busy takes it, and the prefix moves there
-    assert router.pick_prefill([p1, p2], same_start) is p2
-    router.prefilled_on(p2, same_start)
+    assert router.pick_prefill([p1, p2], prefix_key(same_start)) is p2
+    router.prefilled_on(p2, prefix_key(same_start))
     p1.in_flight = 0
-    assert router.pick_prefill([p1, p2], ids) is p2
+    assert router.pick_prefill([p1, p2], prefix_key(ids)) is p2
     chat = {"messages": [{"role": "user", "content": "The sea is"}]}
     text = {"prompt": "The sea is calm tonight."}
     assert prefix_key(chat) is not None and prefix_key(text) != prefix_key({"prompt": "Another prompt."})
-    assert prefix_key({"prompt": None}) is None and router.pick_prefill([p1, p2], {"prompt": None}) is p1
-    assert router.pick_prefill([p2], chat) is p2  # one server: no bookkeeping
+    assert prefix_key({"prompt": None}) is None and router.pick_prefill([p1, p2], prefix_key({"prompt": None})) is p1
+    assert router.pick_prefill([p2], prefix_key(chat)) is p2  # one server: that one

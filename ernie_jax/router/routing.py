@@ -247,21 +247,20 @@ class Router:
     def pick(backends: list[Backend]) -> Backend:
         return min(backends, key=lambda b: (b.in_flight, b.routed))
 
-    def pick_prefill(self, backends: list[Backend], body: dict) -> Backend:
-        """The prefill server for a request: the one that last prefilled a prompt beginning as this one does
-        (its prefix cache likely holds those pages) unless it has more than AFFINITY_SLACK requests in flight
-        over the least busy one, else the least busy."""
+    def pick_prefill(self, backends: list[Backend], key: str | None) -> Backend:
+        """The prefill server for a request whose prompt begins as `key` (prefix_key) says: the one that last
+        prefilled a prompt beginning so (its prefix cache likely holds those pages) unless it has more than
+        AFFINITY_SLACK requests in flight over the least busy one, else the least busy."""
         least = self.pick(backends)
-        key = prefix_key(body) if len(backends) > 1 else None
-        last = next((b for b in backends if key is not None and b.url == self.prefixes.get(key)), None)
+        last = next((b for b in backends if b.url == self.prefixes.get(key)), None)
         if last is not None and last.in_flight <= least.in_flight + AFFINITY_SLACK:
             self.counts["prefill_affinity"] += 1
             return last
         return least
 
-    def prefilled_on(self, b: Backend, body: dict) -> None:
-        """Remember that prefill server b prefills this request's prompt (for pick_prefill)."""
-        if (key := prefix_key(body)) is not None:
+    def prefilled_on(self, b: Backend, key: str | None) -> None:
+        """Remember that prefill server b prefills a prompt beginning as `key` says (for pick_prefill)."""
+        if key is not None:
             self.prefixes[key] = b.url
             self.prefixes.move_to_end(key)
             while len(self.prefixes) > AFFINITY_ENTRIES:
@@ -297,13 +296,14 @@ class Router:
             whole = self.of("mixed") or self.of("decode") or self.of("prefill")
             self.counts["whole"] += 1
             return await self._send(self.pick(whole), path, body, headers)
-        prefill, decode = self.pick_prefill(self.of("prefill"), body), self.pick(self.of("decode"))
+        key = prefix_key(body)
+        prefill, decode = self.pick_prefill(self.of("prefill"), key), self.pick(self.of("decode"))
         if self.policy.mode == "dynamic" and (server := await self._switch(prefill, decode)) is not None:
             self.pd_requests[server.url, server.url] += 1
             if server is prefill:
-                self.prefilled_on(prefill, body)
+                self.prefilled_on(prefill, key)
             return await self._send(server, path, body, headers)
-        self.prefilled_on(prefill, body)
+        self.prefilled_on(prefill, key)
         first = {**body, "stream": False, "kv_transfer_params": {"do_remote_decode": True}, "max_tokens": 1}
         first.pop("stream_options", None)
         first.pop("max_completion_tokens", None)
