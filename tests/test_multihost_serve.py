@@ -46,9 +46,10 @@ def small_model(tmp_path_factory) -> str:
 
 
 
-def _job(extra: list[str] = (), follower_extra: list[str] = (), timeout: float = 60) -> tuple[dict, dict]:
-    """A leader and a follower of one instance on MESH, started (not waited for)."""
-    common = ["--mesh", MESH, "--num-processes", "2", "--coordinator-address", f"127.0.0.1:{free_port()}",
+def _job(extra: list[str] = (), follower_extra: list[str] = (), timeout: float = 60,
+         mesh: str = MESH) -> tuple[dict, dict]:
+    """A leader and a follower of one instance on `mesh`, started (not waited for)."""
+    common = ["--mesh", mesh, "--num-processes", "2", "--coordinator-address", f"127.0.0.1:{free_port()}",
               "--distributed-timeout", str(timeout), *ENGINE, *extra]
     follower = launch("ernie_jax.serve", [*common, "--process-id", "1", *follower_extra])
     leader = launch("ernie_jax.serve", [*common, "--process-id", "0"])
@@ -56,9 +57,9 @@ def _job(extra: list[str] = (), follower_extra: list[str] = (), timeout: float =
 
 
 @contextlib.contextmanager
-def _serving(extra: list[str]):
+def _serving(extra: list[str], mesh: str = MESH):
     """A leader and a follower (_job), both healthy; killed on the way out if they still run."""
-    leader, follower = _job(extra)
+    leader, follower = _job(extra, mesh=mesh)
     try:
         deadline = time.time() + 900
         wait_healthy(leader, deadline)
@@ -86,10 +87,11 @@ def _complete(url: str, prompt: str | list[int], logprobs: int | None = 0, **ext
 
 def _reference(model: str | None = None, ignore_eos: bool = False, logprobs: int | None = 0, **settings) -> list:
     """The same model, settings and mesh in one process (this test process with its 8 devices), each prompt
-    alone."""
+    alone; colocated unless settings say how to split the mesh."""
     from ernie_jax import LLM
     from ernie_jax.sampling import SamplingParams
-    llm = LLM(model, mesh=MESH, disaggregate=False, **SETTINGS, **settings)
+    settings = {"mesh": MESH, "disaggregate": "prefill_devices" in settings, **settings}
+    llm = LLM(model, **SETTINGS, **settings)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=ignore_eos, logprobs=logprobs)
     outs = [llm.generate([p], params)[0].outputs[0] for p in PROMPTS]
     return [(o.text, logprobs if logprobs is None else [round(e["logprob"], 5) for e in o.logprobs]) for o in outs]
@@ -103,29 +105,33 @@ def test_two_processes_serve_as_one_and_a_killed_follower_ends_the_job(small_mod
         got = [_complete(leader["url"], p) for p in PROMPTS]
         assert got == _reference(small_model), server_state(leader)
         assert httpx.get(follower["url"] + "/health", timeout=5).json()["calls"] > 0
+        _kill_follower_mid_stream(leader, follower)
 
-        # kill -9 the follower mid-stream: the stream ends with an error event, the leader exits non-zero
-        events: list[str] = []
-        first = threading.Event()
 
-        def stream():
-            with httpx.stream("POST", leader["url"] + "/v1/completions", headers=AUTH, timeout=60, json={
-                    "prompt": PROMPTS[0], "max_tokens": 40, "ignore_eos": True,
-                    "stream": True}) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        events.append(line[6:])
-                        first.set()
-        reader = threading.Thread(target=stream)
-        reader.start()
-        assert first.wait(60), server_state(leader)
-        follower["proc"].send_signal(signal.SIGKILL)
-        t0 = time.time()
-        reader.join(60)
-        assert events[-1] == "[DONE]" and "error" in json.loads(events[-2]), events[-3:]
-        assert "lost a process" in json.loads(events[-2])["error"]["message"]
-        assert leader["proc"].wait(timeout=30) != 0, server_state(leader)
-        assert time.time() - t0 < 30
+def _kill_follower_mid_stream(leader: dict, follower: dict) -> None:
+    """kill -9 the follower mid-stream: the stream ends with an error event, the leader exits non-zero within
+    30 s."""
+    events: list[str] = []
+    first = threading.Event()
+
+    def stream():
+        with httpx.stream("POST", leader["url"] + "/v1/completions", headers=AUTH, timeout=60, json={
+                "prompt": PROMPTS[0], "max_tokens": 40, "ignore_eos": True,
+                "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    first.set()
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert first.wait(60), server_state(leader)
+    follower["proc"].send_signal(signal.SIGKILL)
+    t0 = time.time()
+    reader.join(60)
+    assert events[-1] == "[DONE]" and "error" in json.loads(events[-2]), events[-3:]
+    assert "lost a process" in json.loads(events[-2])["error"]["message"]
+    assert leader["proc"].wait(timeout=30) != 0, server_state(leader)
+    assert time.time() - t0 < 30
 
 
 def _run(args: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
@@ -137,7 +143,7 @@ def _run(args: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
 
 def test_bad_process_flags_are_refused_naming_the_flag():
     from ernie_jax.serve.cli import parse_args
-    from ernie_jax.serve.distributed import distributed_args
+    from ernie_jax.serve.distributed import disaggregated, distributed_args, transfer_address
     from ernie_jax.sharding.mesh import MeshError, request_host_devices
 
     def refused(*argv) -> str:
@@ -148,7 +154,16 @@ def test_bad_process_flags_are_refused_naming_the_flag():
     assert "needs --coordinator-address HOST:PORT" in refused("--process-id", "1")
     coordinator = ["--coordinator-address", "127.0.0.1:1"]
     assert "--pd-role prefill with --num-processes 2" in refused(*coordinator, "--pd-role", "prefill")
-    assert "--prefill-devices with --num-processes 2" in refused(*coordinator, "--prefill-devices", "4")
+    assert "--prefill-devices with --no-disaggregate" in refused(*coordinator, "--prefill-devices", "4",
+                                                                 "--no-disaggregate")
+    # across processes, prefill and decode submeshes when --prefill-devices says how to split the mesh
+    two = ["--mesh", "8", "--num-processes", "2", *coordinator]
+    assert distributed_args(parse_args([*two, "--prefill-devices", "4"]))[0] == 2
+    assert disaggregated(parse_args([*two, "--prefill-devices", "4"]), 2)
+    assert not disaggregated(parse_args(two), 2) and disaggregated(parse_args(["--mesh", "8"]), 1)
+    assert transfer_address("127.0.0.1:1", None).startswith("127.0.0.1:")
+    assert not transfer_address("127.0.0.1:1", None).endswith(":0")  # the transfer library needs a real port
+    assert transfer_address("127.0.0.1:1", "10.1.2.3:5555") == "10.1.2.3:5555"
     with pytest.raises(MeshError, match="a mesh of 6 devices does not split evenly over 4 processes"):
         request_host_devices("6", 4)
 
@@ -241,6 +256,51 @@ def test_prefix_caching_and_preemption_across_processes(small_model):
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     want = [(llm.generate(prompt_token_ids=[p], sampling_params=params)[0].outputs[0].text, None) for p in prompts]
     assert [results[0], results[1], again] == [want[0], want[1], want[0]]
+
+
+def _pd_totals(url: str) -> tuple[float, float]:
+    """(requests prefilled on the prefill submesh and decoded on the decode submesh, KV bytes handed over)."""
+    from tests.serving import metric, metrics
+    m = metrics(url)
+    return (metric(m, "ernie_jax:pd_requests_total", prefill="prefill", decode="decode"),
+            metric(m, "ernie_jax:kv_transfer_bytes_total"))
+
+
+@pytest.mark.parametrize("mtp", [False, True], ids=["plain", "mtp"])
+def test_pd_with_a_submesh_per_process_matches_one_process(small_model, mtp):
+    """Prefill on process 0's 4 devices, decode on process 1's (--prefill-devices 4, static roles so every
+    request is handed over): every process builds both instances, each program runs where its devices are,
+    the hand-over's pages and the decode results the leader reads cross with JAX's cross-host transfers.
+    Greedy text (and logprobs without MTP) equal to one process with the same submeshes, alone and with two
+    requests at once; then with MTP both exit 0 after a drained stop, without it the follower is killed
+    mid-stream (an error event, the leader exits non-zero). MTP (k = 1) on the embedded model (it has the block),
+    in float32 (the reference's and the job's reductions may order differently, docs/multihost.md)."""
+    pd = ["--prefill-devices", "4", "--pd-policy", "static"]
+    settings = dict(prefill_devices=4, pd_policy="static")
+    if mtp:
+        spec = {"method": "mtp", "num_speculative_tokens": 1}
+        pd += ["--dtype", "float32", "--speculative-config", json.dumps(spec)]
+        settings.update(dtype="float32", speculative_config=spec)
+    model, logprobs = (None, None) if mtp else (small_model, 0)
+    with _serving(["--model", model, *pd] if model else pd, mesh="8") as (leader, follower):
+        got = [_complete(leader["url"], p, logprobs, ignore_eos=True) for p in PROMPTS]
+        together: dict[int, tuple] = {}
+        threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, _complete(
+            leader["url"], PROMPTS[i], logprobs, ignore_eos=True))) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        split, moved = _pd_totals(leader["url"])
+        assert split == 4 and moved > 0, server_state(leader)
+        if mtp:
+            leader["proc"].send_signal(signal.SIGTERM)
+            assert leader["proc"].wait(timeout=60) == 0, server_state(leader)
+            assert follower["proc"].wait(timeout=60) == 0, server_state(follower)
+        else:  # the decode submesh's process dies while the leader reads its results
+            _kill_follower_mid_stream(leader, follower)
+    want = _reference(model, True, logprobs, mesh=8, **settings)
+    assert got == want and [together[0], together[1]] == want
 
 
 def test_fp8_kv_and_a_json_schema_across_processes(small_model):

@@ -9,8 +9,12 @@ settings: the same programs, pool and weight placement). So what the leader send
 runner executes it: which program, with which token ids, positions, block tables and sampling arrays, in
 order. A device array passed back into a later call (a chained decode step's tokens, logits to sample)
 travels as a `Handle`, (call number, leaf index) of the call that returned it; each side keeps the outputs
-of the last `WINDOW` calls. Programs return their results replicated, so the leader reads its own copy and
-nothing comes back but heartbeats and errors.
+of the last `WINDOW` calls, and the outputs of a call marked `pinned` (a page batch handed over between PD
+instances, which may wait in an inbox for many calls) until the leader's copy is garbage: the leader then
+names the call in its next message. Programs return their results replicated, so the leader reads its own
+copy; an instance whose devices are all other processes' (PD with a submesh per process) brings what the
+leader reads onto the leader's device in a call of its own (ModelPrograms.fetch), through JAX's
+cross-host transfers. Nothing comes back over the channel but heartbeats and errors.
 
 Channel: one TCP connection per follower, to a port the leader publishes in jax.distributed's key-value store.
 Frames are length-prefixed pickles, read back by an unpickler that accepts numpy arrays and the project's
@@ -34,6 +38,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -54,16 +59,20 @@ class PeerLost(RuntimeError):
     """The other side of the channel closed, went silent, or reported an error."""
 
 
-def collective(method):
-    """Mark a ModelPrograms method that launches device work: with a leader attached (`programs.leader`), the
-    call goes to every follower first. Calls made inside a collective call (run's put) are not sent again:
-    each follower makes them inside its own call."""
+def collective(method=None, *, pinned: bool = False):
+    """Mark a method that launches device work (of ModelPrograms, PageTransfer: an object with `name` and
+    `leader`): with a leader attached, the call goes to every follower first. Calls made inside a collective
+    call (run's put) are not sent again: each follower makes them inside its own call. pinned: the outputs
+    stay on the followers while the leader holds them (not only for WINDOW calls)."""
+    if method is None:
+        return functools.partial(collective, pinned=pinned)
+
     @functools.wraps(method)
     def call(self, *args):
         leader = getattr(self, "leader", None)
         if leader is None or leader.inside:
             return method(self, *args)
-        return leader.call(self, method, args)
+        return leader.call(self, method, args, pinned)
     return call
 
 
@@ -153,6 +162,10 @@ class Leader:
         self._order = threading.Lock()  # a call is sent and launched before the next one is
         self._local = threading.local()
         self._window, self._handles = _Window(), {}
+        # pinned calls' outputs: id(leaf) -> (Handle, weak reference); calls whose outputs the leader dropped
+        self._pinned: dict[int, tuple[Handle, weakref.ref]] = {}
+        self._released: list[int] = []
+        self._pin_lock = threading.RLock()  # finalizers run on whichever thread drops the last reference
         self._fatal = threading.Event()
         self.calls_sent, self.bytes_sent, self.send_seconds = 0, 0, 0.0  # the channel's cost, for the log
         listener = socket.create_server((host, 0))
@@ -183,14 +196,16 @@ class Leader:
         """Whether this thread is inside a collective call (its nested calls are the followers' too)."""
         return getattr(self._local, "inside", False)
 
-    def call(self, obj, method, args: tuple):
+    def call(self, obj, method, args: tuple, pinned: bool = False):
         """Send the call to every follower, then make it here; a failure here once they were told leaves the
         processes out of step, so it is fatal."""
         with self._order:
             if self._fatal.is_set():
                 raise PeerLost("the instance lost a process; it serves nothing more")
             t0 = time.perf_counter()
-            msg = ("call", obj.name, method.__name__, self._encode(args))
+            with self._pin_lock:
+                released, self._released = self._released, []
+            msg = ("call", obj.name, method.__name__, self._encode(args), pinned, released)
             frame = _frame(msg)  # once for every follower
             for pid, sock, lock in self.followers:
                 try:
@@ -206,7 +221,7 @@ class Leader:
             try:
                 out = method(obj, *args)
             except BaseException as e:
-                self._fail(f"{obj.name}.{method.__name__} failed on the leader after the followers were told "
+                self.fail(f"{obj.name}.{method.__name__} failed on the leader after the followers were told "
                            f"to run it: {e!r}")
                 raise
             finally:
@@ -215,14 +230,37 @@ class Leader:
             self._handles = {k: e for k, e in self._handles.items() if e[0].call in self._window.calls}
             for i, leaf in enumerate(leaves):
                 self._handles[id(leaf)] = (Handle(seq, i), leaf)
+            if pinned:
+                self._pin(seq, leaves)
             return out
+
+    def _pin(self, seq: int, leaves: list) -> None:
+        """Keep naming a pinned call's outputs while this process holds them; once all are garbage, the next
+        call's message tells the followers to drop theirs."""
+        arrays = [(i, x) for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+        left = [len(arrays)]
+
+        def dropped(key: int) -> None:
+            with self._pin_lock:
+                self._pinned.pop(key, None)
+                left[0] -= 1
+                if not left[0]:
+                    self._released.append(seq)
+        with self._pin_lock:
+            for i, x in arrays:
+                self._pinned[id(x)] = (Handle(seq, i), weakref.ref(x))
+                weakref.finalize(x, dropped, id(x))
 
     def _encode(self, x):
         if isinstance(x, jax.Array):
             entry = self._handles.get(id(x))
             if entry is None or entry[1] is not x:
+                with self._pin_lock:
+                    pin = self._pinned.get(id(x))
+                entry = pin and (pin[0], pin[1]())
+            if entry is None or entry[1] is not x:
                 raise RuntimeError("a device array in a collective call's arguments was not returned by one of the "
-                                   f"last {WINDOW} collective calls; the followers cannot name it")
+                                   f"last {WINDOW} collective calls nor pinned; the followers cannot name it")
             return entry[0]
         if type(x) in (list, tuple):
             return type(x)(self._encode(v) for v in x)
@@ -243,9 +281,10 @@ class Leader:
                 return
 
     def _lost(self, pid: int, why: str) -> None:
-        self._fail(f"follower process {pid}: {why}")
+        self.fail(f"follower process {pid}: {why}")
 
-    def _fail(self, reason: str) -> None:
+    def fail(self, reason: str) -> None:
+        """The instance lost a process (or its link): on_fatal(reason), once."""
         if self._fatal.is_set():
             return
         self._fatal.set()
@@ -278,17 +317,22 @@ class Follower:
         self._lock, self._stopped = threading.Lock(), threading.Event()
         _send(self.sock, self._lock, ("hello", process_id))
         self.calls = 0
+        self.pinned: dict[int, list] = {}  # a pinned call's number -> its outputs, until the leader releases them
         log.info("follower %d: connected to the leader at %s", process_id, address)
 
     def serve(self, programs: dict[str, Any]) -> None:
         """Replay calls until the leader says stop (returns) or is lost (raises PeerLost). programs: the
-        instances' ModelPrograms by name."""
+        objects the leader's calls name (the instances' ModelPrograms, a PD engine's PageTransfer), by name."""
         threading.Thread(target=_heartbeats, args=(self.sock, self._lock, self._stopped, lambda why: None),
                          daemon=True, name="ernie-follower-beat").start()
-        window = _Window()
-        decode = lambda x: (window.calls[x.call][x.leaf] if isinstance(x, Handle) else  # noqa: E731
-                            type(x)(decode(v) for v in x) if type(x) in (list, tuple) else
-                            {k: decode(v) for k, v in x.items()} if type(x) is dict else x)
+        window, pinned = _Window(), self.pinned
+
+        def decode(x):
+            if isinstance(x, Handle):
+                return (window.calls[x.call] if x.call in window.calls else pinned[x.call])[x.leaf]
+            if type(x) in (list, tuple):
+                return type(x)(decode(v) for v in x)
+            return {k: decode(v) for k, v in x.items()} if type(x) is dict else x
         try:
             while True:
                 msg = _recv(self.sock, self.timeout)
@@ -296,9 +340,14 @@ class Follower:
                     continue
                 if msg[0] == "stop":
                     return
-                _, target, name, args = msg
+                _, target, name, args, pin, released = msg
+                for seq in released:
+                    pinned.pop(seq, None)
+                log.debug("replaying call %d: %s.%s", window.count, target, name)
                 try:
-                    window.add(getattr(programs[target], name)(*decode(args)))
+                    seq, leaves = window.add(getattr(programs[target], name)(*decode(args)))
+                    if pin:
+                        pinned[seq] = leaves
                 except Exception as e:
                     _send(self.sock, self._lock, ("error", f"{target}.{name}: {e!r}"))
                     raise

@@ -1,5 +1,10 @@
-"""Moving requests' KV pages between two instances' pools (prefill/decode disaggregation in one process), and
-the page gather and scatter programs that moves between processes use too (engine/kv_connector.py)."""
+"""Moving requests' KV pages between two instances' pools (prefill/decode disaggregation in one engine), and
+the page gather and scatter programs that moves between servers use too (engine/kv_connector.py).
+
+Under an instance across processes (engine/multihost.py) the two pools may lie on different processes'
+devices (a submesh per process): every process makes the same gather and scatter calls, and the copy onto
+the destination mesh is JAX's cross-host transfer (`jax_cross_host_transfer_socket_address`, set by
+serve/distributed.py), sent by the source's process and received by the destination's."""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import time
 import jax
 import numpy as np
 
+from ernie_jax.engine.multihost import collective
 from ernie_jax.engine.shapes import buckets
 
 
@@ -43,6 +49,7 @@ class PageTransfer:
     def __init__(self, src, dst):
         """src, dst: the two instances' ModelPrograms."""
         self.src, self.dst = src, dst
+        self.name, self.leader = f"{src.name}->{dst.name}", None  # a leader: the calls replay on every process
         self.buckets = buckets(src.max_pages)
         self.page_shardings = dst.cache_shardings  # a page batch is laid out like the pool it goes to
         self._gather, self._scatter = page_gather(src), page_scatter(dst)
@@ -52,8 +59,10 @@ class PageTransfer:
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
+    @collective(pinned=True)  # the batch waits in the peer's inbox until its scatter
     def gather(self, src_pages: list[int]):
-        """The pages' KV as a page batch on the destination mesh; returns once the copy has landed."""
+        """The pages' KV as a page batch on the destination mesh; returns once the copy has landed on this
+        process's devices (at once on a process that holds none of them: the sender of a cross-host copy)."""
         n = self.bucket(len(src_pages))
         t0 = time.perf_counter()
         pages = self._gather(self.src.cache, page_ids(self.src, src_pages, n))
@@ -61,12 +70,14 @@ class PageTransfer:
         self.seconds += time.perf_counter() - t0
         self.bytes += sum(a.nbytes for a in jax.tree.leaves(pages)) * len(src_pages) // n
         self.pages += len(src_pages)
-        return moved
+        return jax.tree.leaves(moved)  # a list, which the leader's calls can name leaf by leaf
 
+    @collective
     def scatter(self, moved, src_pages: list[int], dst_pages: list[int]) -> None:
-        """Write the page batch gathered from src_pages into the destination pool at dst_pages (as many;
-        the batch's padding goes to the null page)."""
-        n = jax.tree.leaves(moved)[0].shape[1]
+        """Write the page batch gathered from src_pages (gather's leaves) into the destination pool at
+        dst_pages (as many; the batch's padding goes to the null page)."""
+        n = moved[0].shape[1]
+        moved = jax.tree.unflatten(jax.tree.structure(self.page_shardings), moved)
         ids = page_ids(self.dst, dst_pages, n)
         self.dst.cache = self._scatter(self.dst.cache, moved, ids)
         self.last = (list(src_pages), list(dst_pages))

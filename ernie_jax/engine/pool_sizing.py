@@ -14,9 +14,13 @@ from ernie_jax.model.kv_cache import KVCache
 
 
 def memory_stats(devices: list) -> list[dict] | None:
-    """This process's devices' memory stats, or None when the platform reports no memory limit (XLA:CPU)."""
-    stats = [d.memory_stats() for d in devices if d.process_index == jax.process_index()]
-    return None if any(s is None or "bytes_limit" not in s for s in stats) else stats
+    """This process's devices' memory stats (an empty list where it holds none of them: a submesh of other
+    processes), or None when the platform reports no memory limit (XLA:CPU: asked of a local device)."""
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    stats = [d.memory_stats() for d in local or jax.local_devices()[:1]]
+    if any(s is None or "bytes_limit" not in s for s in stats):
+        return None
+    return stats if local else []
 
 
 def pages_in_memory(devices: list, page_bytes: int, utilization: float, reserve: int = 0) -> int | None:
@@ -28,9 +32,9 @@ def pages_in_memory(devices: list, page_bytes: int, utilization: float, reserve:
     stats = memory_stats(devices)
     if stats is None:
         return None
-    room = min(utilization * s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats) - reserve
-    pages = max(0, int(room // page_bytes))
-    if len({d.process_index for d in devices}) > 1:
+    room = min((utilization * s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats), default=np.inf)
+    pages = max(0, int(min(room - reserve, 2**62) // page_bytes))  # no device here: the others decide
+    if jax.process_count() > 1:  # every process builds every instance, so all take part
         from jax.experimental import multihost_utils
         pages = int(np.min(multihost_utils.process_allgather(np.int64(pages))))
     return pages

@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from ernie_jax.engine.compile_pool import compile_all
@@ -77,6 +78,11 @@ class ModelPrograms:
         else:
             self.devices = [next(iter(jax.tree.leaves(self.weights)[0].devices()))]
             self.replicated = SingleDeviceSharding(self.devices[0])
+        # An instance across processes may hold none of this process's devices (PD with a submesh per
+        # process): what the leader reads of its results is brought onto the leader's first device (fetch).
+        self.remote = not any(d.process_index == jax.process_index() for d in self.devices)
+        self.home = SingleDeviceSharding(jax.devices()[0])  # process 0's first device (devices sort by process)
+        self.first = SingleDeviceSharding(self.devices[0])
         self.weights["rope_cache"] = jax.device_put(rope_cache(self.cfg, page_size * max_pages_per_seq),
                                                     self.replicated)
         dtype = pool_dtype(KV_CACHE_DTYPES[cache.kv_cache_dtype] or model.dtype, self.execution.kv_bf16_bits)
@@ -249,6 +255,34 @@ class ModelPrograms:
         """A fresh (zeroed) pool in place of one a failed program may have consumed: every program donates
         the pool, so after a device-side error the old buffers can be gone."""
         self.cache = jax.device_put(self._new_cache(), self.cache_shardings)
+
+    def fetch(self, tree):
+        """A tree of this instance's device arrays (None leaves kept) as numpy arrays on this process."""
+        if not self.remote:
+            return jax.device_get(tree)
+        leaves, treedef = jax.tree.flatten(tree)
+        try:
+            got = iter(jax.device_get(self.bring_home([x for x in leaves if x.size])))
+        except Exception as e:  # the process holding them is gone (or its link): the instance cannot go on
+            if self.leader is not None:
+                self.leader.fail(f"{self.name}: a step's results did not arrive from the process holding its "
+                                 f"devices ({e})")
+            raise
+        # an empty array (no top logprobs asked) is made here: a cross-host copy of no bytes never lands
+        return jax.tree.unflatten(treedef, [next(got) if x.size else np.zeros(x.shape, x.dtype) for x in leaves])
+
+    @collective
+    def bring_home(self, arrays: list):
+        """The arrays (replicated on this mesh) copied onto the leader's first device: sent by the process
+        holding this mesh's first device (JAX's cross-host transfer), received by the leader."""
+        # A cross-host copy keeps the device set's size: the results are replicated, so the process holding
+        # this mesh's first device copies them there (elsewhere that is an array with no shards here), and that
+        # one device's copy crosses.
+        if self.first.device_set <= set(jax.local_devices()):
+            one = jax.device_put(arrays, self.first)
+        else:
+            one = [jax.make_array_from_single_device_arrays(x.shape, self.first, [], dtype=x.dtype) for x in arrays]
+        return jax.device_put(one, self.home)
 
     @collective
     def put(self, x):

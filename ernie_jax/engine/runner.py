@@ -19,7 +19,6 @@ from __future__ import annotations
 import time
 from typing import Any, NamedTuple
 
-import jax
 import numpy as np
 
 from ernie_jax.engine.page_transfer import PageTransfer
@@ -215,33 +214,37 @@ class ModelRunner:
 
     def read(self, pending: list[Dispatched], scored: list = ()) -> StepResult:
         """Wait for dispatched steps and return their tokens, in dispatch order."""
-        out = StepResult([], [(req, start, targets, jax.device_get(scores)) for req, start, targets, scores in scored])
+        fetch = self.programs.fetch
+        out = StepResult([], [(req, start, targets, fetch(scores)) for req, start, targets, scores in scored])
         self.in_step += [r for r, *_ in scored] + [r for step in pending for r in step.reqs if r is not None]
         for step in pending:  # every program is in flight before any is read
-            counts = jax.device_get(step.counts)
-            self.expert_tokens += counts
-            out.expert_counts.append(counts)
             if step.kind == "verify":
-                out.rows += self._read_verified(step)
+                out.rows += self._read_verified(step, out)
                 continue
-            if step.sampled is not None:
-                tokens, lps, top_ids, top_lps = jax.device_get(step.sampled)
+            counts, sampled, drafts = fetch((step.counts, step.sampled, step.drafts))  # one read a step
+            self._count(counts, out)
             self.busy_seconds[step.kind] += time.perf_counter() - step.t0
             self.steps[step.kind] += 1
-            if step.sampled is None:  # a prefill chunk mid-prompt
+            if sampled is None:  # a prefill chunk mid-prompt
                 continue
-            drafts = None if step.drafts is None else jax.device_get(step.drafts)
+            tokens, lps, top_ids, top_lps = sampled
             for i, req in enumerate(step.reqs):
                 if req is not None:  # None: a prefill row mid-prompt
                     out.rows.append(RowOutput(req, step.kind, [int(tokens[i])], (lps[i], top_ids[i], top_lps[i]),
                                               None if drafts is None else drafts[i].tolist()))
         return out
 
-    def _read_verified(self, step: Dispatched) -> list[RowOutput]:
+    def _count(self, counts: np.ndarray, out: StepResult) -> None:
+        self.expert_tokens += counts
+        out.expert_counts.append(counts)
+
+    def _read_verified(self, step: Dispatched, out: StepResult) -> list[RowOutput]:
         """A speculative decode step's tokens: each row's accepted drafts and the token after them (or, for a
         row not speculating, the host sampler's token with its logprobs), and its next drafts."""
-        (tokens, accepted), speculating = step.verified, step.speculating
-        tokens, accepted, fallback, drafts = jax.device_get((tokens, accepted, step.fallback, step.drafts))
+        speculating = step.speculating
+        counts, (tokens, accepted), fallback, drafts = self.programs.fetch(
+            (step.counts, step.verified, step.fallback, step.drafts))
+        self._count(counts, out)
         self.busy_seconds["decode"] += time.perf_counter() - step.t0
         self.steps["decode"] += 1
         rows = []

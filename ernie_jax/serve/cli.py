@@ -39,7 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
            "request has tools (vLLM's --tool-call-parser ernie45)")
     a("--port", type=int, default=8180)
     a("--mesh", default=None, help="device count or axis sizes ('data=1,expert=4,tensor=2'); default: one device")
-    a("--prefill-devices", type=int, default=None, help="devices of the prefill submesh (default: half)")
+    a("--prefill-devices", type=int, default=None, help="devices of the prefill submesh (default: half; with "
+                                                      "--num-processes, the instance is disaggregated only if given)")
     a("--no-disaggregate", dest="disaggregate", action="store_false",
       help="run prefill and decode on the whole mesh (colocated) instead of on disjoint submeshes")
     a("--pd-policy", default="dynamic", choices=["static", "dynamic"],
@@ -58,9 +59,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
            "--splitwise-role, SGLang's --disaggregation-mode): prefill keeps each prompt's KV for a decode "
            "server to pull, decode pulls it and decodes; mixed serves whole requests. Not with --prefill-devices "
            "(a role server runs one instance on its whole mesh)")
-    a("--kv-transfer-address", default="127.0.0.1", metavar="HOST[:PORT]",
-      help="--pd-role prefill/decode: where this server's KV transfer server listens (port 0 or none: a free one); "
-           "peers learn it through kv_transfer_params")
+    a("--kv-transfer-address", default=None, metavar="HOST[:PORT]",
+      help="--pd-role prefill/decode: where this server's KV transfer server listens (default 127.0.0.1; port 0 "
+           "or none: a free one); peers learn it through kv_transfer_params. --num-processes with "
+           "--prefill-devices: this process's address for the hand-over's cross-host transfers (default: the "
+           "address it reaches the coordinator from, a free port)")
     a("--kv-expiry-seconds", type=float, default=120.0,
       help="--pd-role prefill: a prompt's KV not pulled within this is dropped (and counted)")
     a("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"],
@@ -73,8 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       help="the URL the router and peers reach this server at (default: http://HOST:PORT)")
     a("--num-processes", type=int, default=None,
       help="processes one instance spans (jax.distributed; default $JAX_NUM_PROCESSES or 1): --mesh counts the "
-           "devices of all of them, each brings its share; the instance serves colocated on the whole mesh; "
-           "process 0 serves the API, the others only /health (docs/multihost.md)")
+           "devices of all of them, each brings its share; the instance serves colocated on the whole mesh, or "
+           "disaggregated with --prefill-devices (e.g. one process's devices each); process 0 serves the API, "
+           "the others only /health (docs/multihost.md)")
     a("--process-id", type=int, default=None, help="this process's index, 0 .. --num-processes - 1 (default "
                                                    "$JAX_PROCESS_ID or 0)")
     a("--coordinator-address", default=None, metavar="HOST:PORT",
@@ -147,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         if process_id:  # a follower answers /health (503 until it replays) from the start
             health = {"status": "loading", "role": "follower", "process_id": process_id}
             distributed.health_server(args.host, args.port, health)
-        kv_client = distributed.initialize(processes, process_id, coordinator, args.distributed_timeout)
+        transfers = distributed.transfer_address(coordinator, args.kv_transfer_address) \
+            if distributed.disaggregated(args, processes) else None
+        kv_client = distributed.initialize(processes, process_id, coordinator, args.distributed_timeout, transfers)
 
     import jax
     import uvicorn
@@ -193,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             num_gpu_blocks_override=args.num_gpu_blocks_override, gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=args.enable_prefix_caching, mesh=args.mesh if n_devices > 1 else None,
             prefill_devices=args.prefill_devices,
-            disaggregate=args.disaggregate and args.pd_role == "mixed" and processes == 1,
+            disaggregate=distributed.disaggregated(args, processes),
             sharding=args.sharding,
             pd_policy=policy, speculative_config=speculative, eplb_config=eplb)
     except ValueError as e:  # the message names the setting (a JSON config's field included)
@@ -308,12 +314,13 @@ def _pd_server(engine, args):
     inst = engine.instances[-1]
 
     def exporter():
-        inst.runner.exporter = KVExporter(inst.programs, args.kv_transfer_address, args.kv_expiry_seconds)
+        inst.runner.exporter = KVExporter(inst.programs, args.kv_transfer_address or "127.0.0.1",
+                                            args.kv_expiry_seconds)
         log.info("prompts' KV kept for decode servers, transfer server at %s", inst.runner.exporter.address)
         return inst.runner.exporter
 
     def importer():
-        inst.runner.importer = KVImporter(inst.programs, args.kv_transfer_address)
+        inst.runner.importer = KVImporter(inst.programs, args.kv_transfer_address or "127.0.0.1")
         log.info("KV pulled from prefill servers (on failure: %s)", args.kv_load_failure_policy)
         return inst.runner.importer
 

@@ -2,7 +2,9 @@
 
 Every process starts `jax.distributed` (the coordinator runs in process 0), checks that all were launched
 with the same model and engine settings, and loads the model onto the global mesh (each process places its
-own devices' shards). Process 0 is the leader: it serves the API and steps the engine, and each device call
+own devices' shards). With --prefill-devices the instance is disaggregated over two submeshes (each may be
+one process's devices: every process builds both, JAX runs each program where its devices are, and the
+hand-over's pages cross with JAX's cross-host transfers). Process 0 is the leader: it serves the API and steps the engine, and each device call
 goes to the followers first (engine/multihost.py). A follower builds the same engine, answers only
 `/health`, and replays the leader's calls until the leader stops it (exit 0) or is lost (exit 1).
 A lost follower fails the leader's requests in flight with an error, /health turns 503, and the leader
@@ -49,17 +51,43 @@ def distributed_args(args) -> tuple[int, int, str | None]:
     if args.pd_role != "mixed":
         raise SystemExit(f"--pd-role {args.pd_role} with --num-processes {n}: a prefill or decode server spans one "
                          "process (its KV connector moves arrays of one process); run each role as its own server")
-    if args.prefill_devices is not None:
-        raise SystemExit(f"--prefill-devices with --num-processes {n}: an instance across processes serves "
-                         "colocated on its whole mesh (prefill and decode submeshes within it are not supported)")
+    if args.prefill_devices is not None and not args.disaggregate:
+        raise SystemExit("--prefill-devices with --no-disaggregate: the instance serves colocated on its whole mesh")
     return n, pid, coordinator
 
 
-def initialize(processes: int, process_id: int, coordinator: str, timeout: float) -> Any:
-    """Start jax.distributed (before any JAX computation); returns its key-value store client."""
+def disaggregated(args, processes: int) -> bool:
+    """Whether the instance runs prefill and decode on disjoint submeshes: by default on one process's mesh;
+    across processes when --prefill-devices says how to split it (e.g. each process's devices a submesh)."""
+    return args.disaggregate and args.pd_role == "mixed" and (processes == 1 or args.prefill_devices is not None)
+
+
+def transfer_address(coordinator: str, given: str | None) -> str:
+    """HOST:PORT where this process takes part in JAX's cross-host transfers (a PD hand-over between
+    submeshes of different processes): --kv-transfer-address (a port of 0 or none: a free one), else the
+    address this host reaches the coordinator from."""
+    host, _, port = (given or "").partition(":")
+    if not host:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # no packet is sent: it picks the route
+            s.connect((coordinator.rsplit(":", 1)[0], 9))
+            host = s.getsockname()[0]
+    if not port or port == "0":  # the transfer library publishes the address as given: it needs the port
+        with socket.create_server((host, 0)) as s:
+            port = str(s.getsockname()[1])
+    return f"{host}:{port}"
+
+
+def initialize(processes: int, process_id: int, coordinator: str, timeout: float,
+               transfers: str | None = None) -> Any:
+    """Start jax.distributed (before any JAX computation); returns its key-value store client. transfers:
+    this process's address for JAX's cross-host transfers (transfer_address), or None: none made."""
     import jax
     from jax._src import distributed
     _reachable(coordinator, process_id, timeout)
+    if transfers is not None:
+        log.info("cross-host transfers (PD hand-over between processes) at %s", transfers)
+        jax.config.update("jax_cross_host_transfer_socket_address", transfers)
+        jax.config.update("jax_cross_host_transfer_timeout_seconds", int(timeout))
     log.info("jax.distributed: process %d of %d joining at %s (waiting up to %.0f s for the others)", process_id,
              processes, coordinator, timeout)
     try:
@@ -165,9 +193,16 @@ def lead(engine, kv_client, processes: int, coordinator: str, timeout: float, on
                         on_fatal=on_fatal)
     except PeerLost as e:
         raise SystemExit(f"error: {e}") from None
-    for inst in engine.instances:
-        inst.programs.leader = leader
+    for obj in _replayed(engine).values():
+        obj.leader = leader
     return leader
+
+
+def _replayed(engine) -> dict[str, Any]:
+    """What the leader's calls name, by name: each instance's programs, and a PD engine's page transfer."""
+    out = {inst.name: inst.programs for inst in engine.instances}
+    out.update({inst.transfer.name: inst.transfer for inst in engine.instances if inst.transfer is not None})
+    return out
 
 
 def follow(engine, kv_client, process_id: int, timeout: float, health: dict) -> int:
@@ -178,7 +213,7 @@ def follow(engine, kv_client, process_id: int, timeout: float, health: dict) -> 
     health.update(status="ok", calls=lambda: follower.calls)
     log.info("follower %d: replaying the leader's device calls", process_id)
     try:
-        follower.serve({inst.name: inst.programs for inst in engine.instances})
+        follower.serve(_replayed(engine))
     except PeerLost as e:
         log.error("follower %d: the leader is lost (%s); exiting", process_id, e)
         return 1

@@ -27,7 +27,7 @@ def shard_weights(weights: Any, plan: ShardingPlan, cfg: ErnieConfig) -> Any:
         host = np.asarray(x) if not isinstance(x, jax.Array) else x
         if isinstance(host, jax.Array):
             return jax.device_put(host, sharding)
-        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx], dtype=host.dtype)
     return jax.tree.map(place, weights, shardings)
 
 
