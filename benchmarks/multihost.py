@@ -4,9 +4,13 @@ machine's CPU devices.
     python benchmarks/multihost.py [--mesh data=1,expert=2,tensor=4] [--setups one,two] [--concurrency 1,16]
         [--out FILE]
 
-Setups (the embedded model, colocated on an 8-device mesh, each process setting up its own fake CPU devices):
-- one: `python -m ernie_jax.serve --mesh MESH --no-disaggregate` (one process, 8 devices)
+Setups (the embedded model on an 8-device mesh, each process setting up its own fake CPU devices):
+- one: `python -m ernie_jax.serve --mesh MESH --no-disaggregate` (one process, 8 devices, colocated)
 - two: the same with `--num-processes 2`: a leader and a follower with 4 devices each (engine/multihost.py)
+- pd-one: `--mesh 8 --prefill-devices 4 --pd-policy static` in one process (prefill on devices 0-3, decode
+  on 4-7, every request handed over)
+- pd-two: the same over two processes: prefill on the leader's 4 devices, decode on the follower's (the
+  pages and the decode results the leader reads cross with JAX's cross-host transfers)
 For each, `python -m ernie_jax.bench serve` at each concurrency (TPOT and TTFT p50, output tok/s); for `two`,
 the leader's channel totals from its log after a drained stop: calls sent to the follower, bytes, and the
 leader's seconds encoding and sending them (the per-step host cost of the broadcast). On a 2-core machine
@@ -32,18 +36,19 @@ sys.path.insert(0, ROOT)
 from tests.serving import free_port, launch, wait_healthy  # noqa: E402
 
 KEY = "test-key"
-COMMON = ["--no-disaggregate", "--max-model-len", "512", "--max-num-seqs", "16",
-          "--max-num-batched-tokens", "128", "--no-background-compile"]
+COMMON = ["--max-model-len", "512", "--max-num-seqs", "16", "--max-num-batched-tokens", "128", "--no-background-compile"]
+PD = ["--prefill-devices", "4", "--pd-policy", "static"]
 
 
 
 @contextlib.contextmanager
 def setup(name: str, mesh: str):
     """The processes of a setup, up; yields (the URL clients send to, the processes)."""
-    if name == "one":
-        procs = [launch("ernie_jax.serve", COMMON + ["--mesh", mesh], optimized=True)]
+    engine = COMMON + (PD + ["--mesh", "8"] if name.startswith("pd-") else ["--no-disaggregate", "--mesh", mesh])
+    if name in ("one", "pd-one"):
+        procs = [launch("ernie_jax.serve", engine, optimized=True)]
     else:
-        job = COMMON + ["--mesh", mesh, "--num-processes", "2", "--coordinator-address", f"127.0.0.1:{free_port()}"]
+        job = engine + ["--num-processes", "2", "--coordinator-address", f"127.0.0.1:{free_port()}"]
         procs = [launch("ernie_jax.serve", job + ["--process-id", "0"], optimized=True),
                  launch("ernie_jax.serve", job + ["--process-id", "1"], optimized=True)]
     try:
@@ -83,9 +88,9 @@ def channel_totals(leader: dict) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mesh", default="data=1,expert=2,tensor=4",
-                    help="the default splits heads within a process and experts across the two (the layout of one "
-                         "instance over two hosts); 8 splits heads 8 ways, across the processes")
-    ap.add_argument("--setups", default="one,two")
+                    help="one and two's mesh: the default splits heads within a process and experts across the two "
+                         "(the layout of one instance over two hosts); 8 splits heads 8 ways, across the processes")
+    ap.add_argument("--setups", default="one,two,pd-one,pd-two")
     ap.add_argument("--concurrency", default="1,16")
     ap.add_argument("--out", default=None, help="append the results as JSON lines here")
     args = ap.parse_args()
@@ -93,10 +98,11 @@ def main() -> int:
     for name in args.setups.split(","):
         with setup(name, args.mesh) as (url, procs):
             for c in (int(x) for x in args.concurrency.split(",")):
-                row = {"setup": name, "mesh": args.mesh, "concurrency": c, **serve_bench(url, c)}
+                row = {"setup": name, "mesh": "8: prefill 4 + decode 4" if name.startswith("pd-") else args.mesh,
+                       "concurrency": c, **serve_bench(url, c)}
                 print(json.dumps(row), flush=True)
                 results.append(row)
-            if name == "two":
+            if name.endswith("two"):
                 row = {"setup": name, "channel": channel_totals(procs[0])}
                 print(json.dumps(row), flush=True)
                 results.append(row)

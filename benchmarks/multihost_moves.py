@@ -1,7 +1,8 @@
 """What moving device data costs inside one instance across processes, against the same mesh in one process:
 the PD hand-over's page transfer (prefill submesh -> decode submesh) and an EPLB re-placement's expert moves.
 
-    python benchmarks/multihost_moves.py [--processes 1,2] [--pages 1,4,16,64] [--repeats 7] [--out FILE]
+    python benchmarks/multihost_moves.py [--measure pages,experts] [--processes 1,2] [--pages 1,4,16,64]
+        [--repeats 7] [--out FILE]
 
 Each setup runs the engine's own calls on the embedded model, as a server's processes would make them
 (every process builds the same engines; with 2 processes, 4 CPU devices each, under jax.distributed):
@@ -38,7 +39,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker(processes: int, pid: int, port: int, transfer_port: int, pages: list[int], repeats: int) -> list[dict]:
+def worker(what: str, processes: int, pid: int, port: int, transfer_port: int, pages: list[int],
+           repeats: int) -> list[dict]:
     import jax
     if processes > 1:
         jax.config.update("jax_cross_host_transfer_socket_address", f"127.0.0.1:{transfer_port + pid}")
@@ -46,8 +48,9 @@ def worker(processes: int, pid: int, port: int, transfer_port: int, pages: list[
     import numpy as np
 
     from ernie_jax import LLM
-    from ernie_jax.sharding import eplb
     rows = []
+    if what == "experts":
+        return _expert_moves(processes, pid, repeats)
     llm = LLM(None, mesh=8, prefill_devices=4, pd_policy="static", **SETTINGS)
     transfer = llm.engine.instances[0].transfer
     receiver = any(d.process_index == jax.process_index() for d in transfer.dst.devices)
@@ -63,7 +66,18 @@ def worker(processes: int, pid: int, port: int, transfer_port: int, pages: list[
                          "tokens": n * llm.engine.page_size, "bytes": (transfer.bytes - before) // (repeats + 2),
                          "ms_p50": round(1e3 * float(np.median(times)), 2),
                          "ms_min": round(1e3 * min(times), 2)})
-    del llm
+    if processes > 1:
+        jax.distributed.shutdown()
+    return rows
+
+
+def _expert_moves(processes: int, pid: int, repeats: int) -> list[dict]:
+    import jax
+    import numpy as np
+
+    from ernie_jax import LLM
+    from ernie_jax.sharding import eplb
+    rows = []
     llm = LLM(None, mesh="data=1,expert=2,tensor=4", disaggregate=False, eplb_config=EPLB, **SETTINGS)
     programs = llm.engine.instances[0].programs
     first, cfg = programs.expert_placement, llm.model.config
@@ -88,14 +102,15 @@ def worker(processes: int, pid: int, port: int, transfer_port: int, pages: list[
     return rows
 
 
-def run(processes: int, pages: list[int], repeats: int) -> list[dict]:
-    """The setup's processes (this script again, as workers); their rows."""
+def run(what: str, processes: int, pages: list[int], repeats: int) -> list[dict]:
+    """The setup's processes (this script again, as workers) for one measurement ("pages" or "experts");
+    their rows."""
     port, transfer_port = _free_port(), _free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={8 // processes}",
            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    argv = [sys.executable, os.path.abspath(__file__), "--worker", str(processes), str(port), str(transfer_port),
-            "--pages", ",".join(map(str, pages)), "--repeats", str(repeats)]
-    procs = [subprocess.Popen(argv + [str(pid)], env=env, stdout=subprocess.PIPE, text=True)
+    argv = ["--pages", ",".join(map(str, pages)), "--repeats", str(repeats)]
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv, "--worker", what, str(processes), str(port),
+                               str(transfer_port), str(pid)], env=env, stdout=subprocess.PIPE, text=True)
              for pid in range(processes)]
     rows = []
     for p in procs:
@@ -112,16 +127,17 @@ def main() -> int:
     ap.add_argument("--pages", default="1,4,16,64")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", default=None, help="append the rows as JSON lines here")
-    ap.add_argument("--worker", nargs=4, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--measure", default="pages,experts")
+    ap.add_argument("--worker", nargs=5, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     pages = [int(x) for x in args.pages.split(",")]
     if args.worker:
-        processes, port, transfer_port, pid = map(int, args.worker)
-        for row in worker(processes, pid, port, transfer_port, pages, args.repeats):
+        what, (processes, port, transfer_port, pid) = args.worker[0], map(int, args.worker[1:])
+        for row in worker(what, processes, pid, port, transfer_port, pages, args.repeats):
             print("ROW: " + json.dumps(row), flush=True)
         return 0
-    for n in (int(x) for x in args.processes.split(",")):
-        for row in run(n, pages, args.repeats):
+    for what, n in ((w, int(x)) for w in args.measure.split(",") for x in args.processes.split(",")):
+        for row in run(what, n, pages, args.repeats):
             print(json.dumps(row), flush=True)
             if args.out:  # as each setup ends: a later setup's failure keeps the rows before it
                 with open(args.out, "a") as f:

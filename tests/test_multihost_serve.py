@@ -266,21 +266,22 @@ def _pd_totals(url: str) -> tuple[float, float]:
             metric(m, "ernie_jax:kv_transfer_bytes_total"))
 
 
-@pytest.mark.parametrize("mtp", [False, True], ids=["plain", "mtp"])
+@pytest.mark.parametrize("mtp", [False, True], ids=["plain", "mtp_and_eplb"])
 def test_pd_with_a_submesh_per_process_matches_one_process(small_model, mtp):
     """Prefill on process 0's 4 devices, decode on process 1's (--prefill-devices 4, static roles so every
     request is handed over): every process builds both instances, each program runs where its devices are,
     the hand-over's pages and the decode results the leader reads cross with JAX's cross-host transfers.
     Greedy text (and logprobs without MTP) equal to one process with the same submeshes, alone and with two
     requests at once; then with MTP both exit 0 after a drained stop, without it the follower is killed
-    mid-stream (an error event, the leader exits non-zero). MTP (k = 1) on the embedded model (it has the block),
-    in float32 (the reference's and the job's reductions may order differently, docs/multihost.md)."""
+    mid-stream (an error event, the leader exits non-zero). MTP (k = 1) with EPLB re-placements (every 8 steps
+    and once more through the admin route) on the embedded model (it has the MTP block), in float32 (the reference's and the job's reductions may order differently, docs/multihost.md)."""
     pd = ["--prefill-devices", "4", "--pd-policy", "static"]
     settings = dict(prefill_devices=4, pd_policy="static")
-    if mtp:
+    if mtp:  # and EPLB re-placing the experts on both submeshes every 8 steps
         spec = {"method": "mtp", "num_speculative_tokens": 1}
-        pd += ["--dtype", "float32", "--speculative-config", json.dumps(spec)]
-        settings.update(dtype="float32", speculative_config=spec)
+        eplb = {"num_redundant_experts": 8, "window_size": 16, "step_interval": 8}
+        pd += ["--dtype", "float32", "--speculative-config", json.dumps(spec), "--eplb-config", json.dumps(eplb)]
+        settings.update(dtype="float32", speculative_config=spec, eplb_config=eplb)
     model, logprobs = (None, None) if mtp else (small_model, 0)
     with _serving(["--model", model, *pd] if model else pd, mesh="8") as (leader, follower):
         got = [_complete(leader["url"], p, logprobs, ignore_eos=True) for p in PROMPTS]
@@ -294,6 +295,11 @@ def test_pd_with_a_submesh_per_process_matches_one_process(small_model, mtp):
         split, moved = _pd_totals(leader["url"])
         assert split == 4 and moved > 0, server_state(leader)
         if mtp:
+            from tests.serving import metric, metrics
+            r = httpx.post(leader["url"] + "/v1/admin/rebalance_experts", headers=AUTH, timeout=60)
+            assert r.status_code == 200, r.text
+            assert _complete(leader["url"], PROMPTS[0], logprobs, ignore_eos=True) == got[0]
+            assert metric(metrics(leader["url"]), "ernie_jax:eplb_rebalances_total") >= 2, server_state(leader)
             leader["proc"].send_signal(signal.SIGTERM)
             assert leader["proc"].wait(timeout=60) == 0, server_state(leader)
             assert follower["proc"].wait(timeout=60) == 0, server_state(follower)

@@ -343,9 +343,10 @@ class Follower:
                 _, target, name, args, pin, released = msg
                 for seq in released:
                     pinned.pop(seq, None)
-                log.debug("replaying call %d: %s.%s", window.count, target, name)
+                t0 = time.perf_counter()
                 try:
                     seq, leaves = window.add(getattr(programs[target], name)(*decode(args)))
+                    log.debug("replayed call %d: %s.%s in %.2f ms", seq, target, name, 1e3 * (time.perf_counter() - t0))
                     if pin:
                         pinned[seq] = leaves
                 except Exception as e:

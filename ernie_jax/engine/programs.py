@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -256,20 +256,30 @@ class ModelPrograms:
         the pool, so after a device-side error the old buffers can be gone."""
         self.cache = jax.device_put(self._new_cache(), self.cache_shardings)
 
-    def fetch(self, tree):
-        """A tree of this instance's device arrays (None leaves kept) as numpy arrays on this process."""
+    def send(self, tree):
+        """Start bringing a tree of this instance's device arrays (None leaves kept) to this process; fetch()
+        takes what this returns. Here that is the tree itself, unless this process holds none of the
+        instance's devices: then the copies onto its first device start now, right behind the step that
+        computes them (a copy asked for at read time would queue behind the next step, dispatched by then)."""
         if not self.remote:
-            return jax.device_get(tree)
+            return tree
         leaves, treedef = jax.tree.flatten(tree)
+        # an empty array (no top logprobs asked) is made at fetch(): a cross-host copy of no bytes never lands
+        return _Sent(treedef, [(x.shape, x.dtype) for x in leaves], self.bring_home([x for x in leaves if x.size]))
+
+    def fetch(self, sent):
+        """What send() started, as numpy arrays on this process."""
+        if not isinstance(sent, _Sent):
+            return jax.device_get(sent)
         try:
-            got = iter(jax.device_get(self.bring_home([x for x in leaves if x.size])))
+            got = iter(jax.device_get(sent.arrays))
         except Exception as e:  # the process holding them is gone (or its link): the instance cannot go on
             if self.leader is not None:
                 self.leader.fail(f"{self.name}: a step's results did not arrive from the process holding its "
                                  f"devices ({e})")
             raise
-        # an empty array (no top logprobs asked) is made here: a cross-host copy of no bytes never lands
-        return jax.tree.unflatten(treedef, [next(got) if x.size else np.zeros(x.shape, x.dtype) for x in leaves])
+        return jax.tree.unflatten(sent.treedef, [next(got) if np.prod(shape) else np.zeros(shape, dtype)
+                                                 for shape, dtype in sent.leaves])
 
     @collective
     def bring_home(self, arrays: list):
@@ -345,6 +355,13 @@ def compile_startup(instances: list[ModelPrograms]) -> None:
     so a PD engine's two instances take one program's time, not two."""
     jobs = {(i, key): job for i, programs in enumerate(instances) for key, job in programs.startup_jobs().items()}
     compile_all(jobs, lambda ik, exe, seconds: instances[ik[0]]._publish(ik[1], exe, seconds))
+
+
+class _Sent(NamedTuple):
+    """Results of an instance on other processes' devices, being copied to this one (ModelPrograms.send)."""
+    treedef: Any
+    leaves: list  # (shape, dtype) of each leaf
+    arrays: list  # the copies of the leaves that hold data, on this process's first device
 
 
 class _Stored:

@@ -41,6 +41,13 @@ class Dispatched(NamedTuple):
     speculating: list[bool] | None = None  # verify: which rows accept drafts
     inputs: Any = None  # verify: its (positions [B,k+1], sampling steps [B]) on the device
     batch: int = 0  # decode / verify: the program's B
+    home: Any = None  # what read() takes to the host, on its way here already (ModelPrograms.send)
+
+    def outputs(self) -> tuple:
+        """What read() takes to the host."""
+        if self.kind == "verify":
+            return self.counts, self.verified, self.fallback, self.drafts
+        return self.counts, self.sampled, self.drafts
 
 
 class ModelRunner:
@@ -92,12 +99,13 @@ class ModelRunner:
     def dispatch(self, plan: StepPlan) -> tuple[list[Dispatched], list]:
         """Dispatch the plan's prefill and decode programs; returns (steps to read, scored chunks)."""
         pending, scored = [], []
+        sent = lambda step: step._replace(home=self.programs.send(step.outputs()))  # noqa: E731
         if plan.prefill:
-            pending.append(self._dispatch_prefill(plan, scored))
+            pending.append(sent(self._dispatch_prefill(plan, scored)))
         ahead, self._ahead = self._ahead, None
         assert (ahead is not None) == plan.after_in_flight, "a plan must say whether it follows the step in flight"
         if plan.decode:
-            step = self._dispatch_verify(plan, ahead) if self.k else self._dispatch_decode(plan, ahead)
+            step = sent(self._dispatch_verify(plan, ahead) if self.k else self._dispatch_decode(plan, ahead))
             if plan.chain:
                 self._ahead = step  # read by the next step, while the device runs the one after it
             else:
@@ -215,13 +223,14 @@ class ModelRunner:
     def read(self, pending: list[Dispatched], scored: list = ()) -> StepResult:
         """Wait for dispatched steps and return their tokens, in dispatch order."""
         fetch = self.programs.fetch
-        out = StepResult([], [(req, start, targets, fetch(scores)) for req, start, targets, scores in scored])
+        out = StepResult([], [(req, start, targets, fetch(self.programs.send(scores)))
+                              for req, start, targets, scores in scored])
         self.in_step += [r for r, *_ in scored] + [r for step in pending for r in step.reqs if r is not None]
         for step in pending:  # every program is in flight before any is read
             if step.kind == "verify":
                 out.rows += self._read_verified(step, out)
                 continue
-            counts, sampled, drafts = fetch((step.counts, step.sampled, step.drafts))  # one read a step
+            counts, sampled, drafts = fetch(step.home)
             self._count(counts, out)
             self.busy_seconds[step.kind] += time.perf_counter() - step.t0
             self.steps[step.kind] += 1
@@ -242,8 +251,7 @@ class ModelRunner:
         """A speculative decode step's tokens: each row's accepted drafts and the token after them (or, for a
         row not speculating, the host sampler's token with its logprobs), and its next drafts."""
         speculating = step.speculating
-        counts, (tokens, accepted), fallback, drafts = self.programs.fetch(
-            (step.counts, step.verified, step.fallback, step.drafts))
+        counts, (tokens, accepted), fallback, drafts = self.programs.fetch(step.home)
         self._count(counts, out)
         self.busy_seconds["decode"] += time.perf_counter() - step.t0
         self.steps["decode"] += 1
