@@ -46,27 +46,28 @@ def small_model(tmp_path_factory) -> str:
 
 
 
-def _job(extra: list[str] = (), follower_extra: list[str] = (), timeout: float = 60,
-         mesh: str = MESH) -> tuple[dict, dict]:
-    """A leader and a follower of one instance on `mesh`, started (not waited for)."""
-    common = ["--mesh", mesh, "--num-processes", "2", "--coordinator-address", f"127.0.0.1:{free_port()}",
-              "--distributed-timeout", str(timeout), *ENGINE, *extra]
-    follower = launch("ernie_jax.serve", [*common, "--process-id", "1", *follower_extra])
+def _job(extra: list[str] = (), follower_extra: list[str] = (), timeout: float = 60, mesh: str = MESH,
+         processes: int = 2) -> tuple[dict, ...]:
+    """A leader and its followers of one instance on `mesh`, started (not waited for)."""
+    common = ["--mesh", mesh, "--num-processes", str(processes), "--coordinator-address",
+              f"127.0.0.1:{free_port()}", "--distributed-timeout", str(timeout), *ENGINE, *extra]
+    followers = [launch("ernie_jax.serve", [*common, "--process-id", str(i), *follower_extra])
+                 for i in range(1, processes)]
     leader = launch("ernie_jax.serve", [*common, "--process-id", "0"])
-    return leader, follower
+    return leader, *followers
 
 
 @contextlib.contextmanager
-def _serving(extra: list[str], mesh: str = MESH):
-    """A leader and a follower (_job), both healthy; killed on the way out if they still run."""
-    leader, follower = _job(extra, mesh=mesh)
+def _serving(extra: list[str], mesh: str = MESH, processes: int = 2):
+    """A leader and its followers (_job), all healthy; killed on the way out if they still run."""
+    job = _job(extra, mesh=mesh, processes=processes)
     try:
         deadline = time.time() + 900
-        wait_healthy(leader, deadline)
-        wait_healthy(follower, deadline)
-        yield leader, follower
+        for s in job:
+            wait_healthy(s, deadline)
+        yield job
     finally:
-        _kill(leader, follower)
+        _kill(*job)
 
 
 def _kill(*servers) -> None:
@@ -307,6 +308,18 @@ def test_pd_with_a_submesh_per_process_matches_one_process(small_model, mtp):
             _kill_follower_mid_stream(leader, follower)
     want = _reference(model, True, logprobs, mesh=8, **settings)
     assert got == want and [together[0], together[1]] == want
+
+
+def test_pd_with_submeshes_that_span_processes(small_model):
+    """4 processes x 2 devices: prefill on processes 0-1's devices, decode on 2-3's, each submesh across two
+    processes (its programs run on both, the hand-over crosses from two processes to two others, the decode
+    results come to the leader from process 2). Greedy text and logprobs equal to one process with the same
+    submeshes."""
+    with _serving(["--model", small_model, "--prefill-devices", "4", "--pd-policy", "static"], mesh="8",
+                  processes=4) as (leader, *_):
+        got = [_complete(leader["url"], p, ignore_eos=True) for p in PROMPTS]
+        assert _pd_totals(leader["url"])[0] == 2, server_state(leader)
+    assert got == _reference(small_model, True, mesh=8, prefill_devices=4, pd_policy="static")
 
 
 def test_fp8_kv_and_a_json_schema_across_processes(small_model):

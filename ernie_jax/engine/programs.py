@@ -285,11 +285,14 @@ class ModelPrograms:
     def bring_home(self, arrays: list):
         """The arrays (replicated on this mesh) copied onto the leader's first device: sent by the process
         holding this mesh's first device (JAX's cross-host transfer), received by the leader."""
-        # A cross-host copy keeps the device set's size: the results are replicated, so the process holding
-        # this mesh's first device copies them there (elsewhere that is an array with no shards here), and that
-        # one device's copy crosses.
+        # A cross-host copy keeps the device set's size: the results are replicated, so the first device's
+        # copy crosses (on the other processes, an array with no shards there stands for it).
         if self.first.device_set <= set(jax.local_devices()):
-            one = jax.device_put(arrays, self.first)
+            for x in arrays:
+                if not x.sharding.is_fully_replicated:
+                    raise ValueError(f"{self.name}: a step result of shape {x.shape} is not replicated on its mesh "
+                                     f"({x.sharding}); its first device's copy is not the whole of it")
+            one = [next(s.data for s in x.addressable_shards if s.device == self.devices[0]) for x in arrays]
         else:
             one = [jax.make_array_from_single_device_arrays(x.shape, self.first, [], dtype=x.dtype) for x in arrays]
         return jax.device_put(one, self.home)
