@@ -101,6 +101,7 @@ SLOW_CASES: dict[str, tuple[str, ...]] = {
     "test_multihost_serve.py::test_fp8_kv_and_a_json_schema_across_processes": (),
     "test_multihost_serve.py::test_pd_with_a_submesh_per_process_matches_one_process": (),
     "test_multihost_serve.py::test_pd_with_submeshes_that_span_processes": (),
+    "test_multihost_serve.py::test_role_servers_across_processes_behind_the_router": (),
     "test_notebooks.py::test_notebook_runs": (),
     "test_kv_memory.py::test_greedy_unchanged_by_prefix_caching_and_preemption": ("single-auto",),
     "test_pd.py::test_decode_keeps_stepping_while_a_2000_token_prompt_prefills": (),

@@ -154,7 +154,6 @@ def test_bad_process_flags_are_refused_naming_the_flag():
     assert "--process-id 2 is out of range for --num-processes 2 (0 .. 1)" in refused("--process-id", "2")
     assert "needs --coordinator-address HOST:PORT" in refused("--process-id", "1")
     coordinator = ["--coordinator-address", "127.0.0.1:1"]
-    assert "--pd-role prefill with --num-processes 2" in refused(*coordinator, "--pd-role", "prefill")
     assert "--prefill-devices with --no-disaggregate" in refused(*coordinator, "--prefill-devices", "4",
                                                                  "--no-disaggregate")
     # across processes, prefill and decode submeshes when --prefill-devices says how to split the mesh
@@ -320,6 +319,31 @@ def test_pd_with_submeshes_that_span_processes(small_model):
         got = [_complete(leader["url"], p, ignore_eos=True) for p in PROMPTS]
         assert _pd_totals(leader["url"])[0] == 2, server_state(leader)
     assert got == _reference(small_model, True, mesh=8, prefill_devices=4, pd_policy="static")
+
+
+def test_role_servers_across_processes_behind_the_router(small_model):
+    """A prefill server and a decode server, each one instance over 2 processes x 2 devices, behind the router:
+    each split request's KV is gathered on every process of the prefill server (process 0 offers its copy),
+    pulled by the decode server's process 0 and written into its pool by every process of it. Greedy text
+    and logprobs equal to one process with the same 4-device mesh."""
+    from tests.serving import metric, metrics
+    router = launch("ernie_jax.router", ["--api-key", "test-key", "--heartbeat", "3"])
+    join = ["--model", small_model, "--router", router["url"]]
+    jobs = [_job([*join, "--pd-role", role], mesh="4") for role in ("prefill", "decode")]
+    try:
+        deadline = time.time() + 900
+        for s in (*jobs[0], *jobs[1]):
+            wait_healthy(s, deadline)
+        while metric(metrics(router["url"]), "ernie_jax_router:up") < 2:
+            assert time.time() < deadline, "the servers did not register with the router"
+            time.sleep(0.5)
+        got = [_complete(router["url"], p, ignore_eos=True) for p in PROMPTS]
+        assert metric(metrics(router["url"]), "ernie_jax_router:requests_total", path="split") == len(PROMPTS)
+        pulled = httpx.get(jobs[1][0]["url"] + "/v1/pd/info", headers=AUTH, timeout=30).json()["transfers"]
+        assert pulled["pulled"] == len(PROMPTS) and pulled["recomputed"] == 0, pulled
+    finally:
+        _kill(router, *jobs[0], *jobs[1])
+    assert got == _reference(small_model, True, mesh=4, disaggregate=False)
 
 
 def test_fp8_kv_and_a_json_schema_across_processes(small_model):

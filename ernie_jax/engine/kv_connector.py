@@ -28,7 +28,9 @@ Where the two are equal and not empty, the batch crosses as it lies, every devic
 the same place of the other mesh, and is written into the pool with no reshard. Otherwise (a decode mesh of
 another size, another rules table, replicated KV heads) the exporter first copies the batch onto its first
 device and the importer pulls it onto its own first device and reshards it there (a device_put). The offer's
-answer says which (`sharded`), and /v1/pd/info counts both.
+answer says which (`sharded`), and /v1/pd/info counts both. A server whose pool spans processes offers and
+pulls on process 0's first device, and its gather and scatter are calls every process makes
+(engine/spanning_pool.py).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from ernie_jax.engine.page_transfer import page_gather, page_ids, page_scatter
 from ernie_jax.engine.shapes import buckets
+from ernie_jax.engine.spanning_pool import SpanningPool, spans_processes
 
 log = logging.getLogger("ernie_jax.engine")
 
@@ -75,8 +78,9 @@ class KVLayout:
         flat = jax.tree_util.tree_flatten_with_path(programs.cache)[0]
         leaves = tuple((jax.tree_util.keystr(path), (a.shape[0],) + tuple(a.shape[2:]), str(a.dtype))
                        for path, a in flat)
-        return cls(hashlib.sha256(cfg).hexdigest()[:16], programs.page_size, leaves,
-                   shard_layout(jax.tree.leaves(programs.cache_shardings)))
+        # a pool across processes offers and pulls on process 0's first device (engine/spanning_pool.py)
+        shards = "" if spans_processes(programs) else shard_layout(jax.tree.leaves(programs.cache_shardings))
+        return cls(hashlib.sha256(cfg).hexdigest()[:16], programs.page_size, leaves, shards)
 
     @classmethod
     def from_json(cls, d: dict) -> "KVLayout":
@@ -158,6 +162,8 @@ class KVExporter:
         self.server = _start_server(self.device, address)
         self.address = self.server.address()
         self._gather = page_gather(programs)
+        # a pool across processes: every process gathers (the leader's call is replayed), process 0 keeps its copy
+        self.across: SpanningPool | None = programs.kv_across
         self._buckets = buckets(programs.max_pages)
         self._lock = threading.Lock()
         self._exports: dict[str, _Export] = {}
@@ -170,8 +176,10 @@ class KVExporter:
         what the decode side continues from: the first token (its logprob entry) and the MTP drafts."""
         t0 = time.perf_counter()
         n = next(b for b in self._buckets if b >= len(pages))
-        ids = page_ids(self.programs, pages, n)
-        batch = self._gather(self.programs.cache, ids)
+        if self.across is not None:
+            batch = self.across.local_copy(self.across.gather(pages, n))
+        else:
+            batch = self._gather(self.programs.cache, page_ids(self.programs, pages, n))
         with self._lock:
             self._sweep()
             self._exports[req.request_id] = _Export(batch, len(pages), time.monotonic() + self.expiry, {
@@ -244,6 +252,7 @@ class KVImporter:
         self.server = _start_server(self.device, address)
         self._connections: dict[str, Any] = {}
         self._scatter = page_scatter(programs)
+        self.across: SpanningPool | None = programs.kv_across  # a pool across processes
         self._lock = threading.Lock()
         self.pulled = self.failed = self.sharded = 0
         self.bytes, self.seconds = 0, 0.0
@@ -288,6 +297,9 @@ class KVImporter:
     def scatter(self, batch, pages: list[int]) -> None:
         """Write a pulled batch into this pool at `pages` (one per real page of the batch); on the thread that
         steps the pool."""
+        if self.across is not None:
+            self.across.place(batch, pages)
+            return
         n = jax.tree.leaves(batch)[0].shape[1]
         ids = page_ids(self.programs, pages, n)
         batch = jax.device_put(batch, self.programs.cache_shardings)  # a no-op for a batch pulled shard by shard

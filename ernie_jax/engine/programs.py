@@ -63,6 +63,7 @@ class ModelPrograms:
         compile_rest() or take_rest() (in order of use, below)."""
         self.cfg, self.plan, self.name, self.execution = model.config, model.plan, name, model.execution
         self.leader = None  # a mesh across processes: the followers replay each @collective call (multihost.py)
+        self.kv_across = None  # and a KV connector's page moves there (spanning_pool.py; serve/distributed.py sets it)
         self.k = speculative_tokens
         self.expert_placement = expert_placement
         self.expert_shape = (self.cfg.num_moe_layers, self.cfg.moe_num_experts)

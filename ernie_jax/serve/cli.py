@@ -77,8 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--num-processes", type=int, default=None,
       help="processes one instance spans (jax.distributed; default $JAX_NUM_PROCESSES or 1): --mesh counts the "
            "devices of all of them, each brings its share; the instance serves colocated on the whole mesh, or "
-           "disaggregated with --prefill-devices (e.g. one process's devices each); process 0 serves the API, "
-           "the others only /health (docs/multihost.md)")
+           "disaggregated with --prefill-devices (e.g. one process's devices each), or as a --pd-role server; "
+           "process 0 serves the API, the others only /health (docs/multihost.md)")
     a("--process-id", type=int, default=None, help="this process's index, 0 .. --num-processes - 1 (default "
                                                    "$JAX_PROCESS_ID or 0)")
     a("--coordinator-address", default=None, metavar="HOST:PORT",

@@ -4,7 +4,8 @@ Every process starts `jax.distributed` (the coordinator runs in process 0), chec
 with the same model and engine settings, and loads the model onto the global mesh (each process places its
 own devices' shards). With --prefill-devices the instance is disaggregated over two submeshes (each may be
 one process's devices: every process builds both, JAX runs each program where its devices are, and the
-hand-over's pages cross with JAX's cross-host transfers). Process 0 is the leader: it serves the API and steps the engine, and each device call
+hand-over's pages cross with JAX's cross-host transfers); with --pd-role it is a prefill or decode server
+whose KV connector runs on process 0 (engine/spanning_pool.py). Process 0 is the leader: it serves the API and steps the engine, and each device call
 goes to the followers first (engine/multihost.py). A follower builds the same engine, answers only
 `/health`, and replays the leader's calls until the leader stops it (exit 0) or is lost (exit 1).
 A lost follower fails the leader's requests in flight with an error, /health turns 503, and the leader
@@ -48,9 +49,6 @@ def distributed_args(args) -> tuple[int, int, str | None]:
     if not coordinator or ":" not in coordinator:
         raise SystemExit(f"--num-processes {n} needs --coordinator-address HOST:PORT (process 0's host and a free "
                          f"port; got {coordinator!r})")
-    if args.pd_role != "mixed":
-        raise SystemExit(f"--pd-role {args.pd_role} with --num-processes {n}: a prefill or decode server spans one "
-                         "process (its KV connector moves arrays of one process); run each role as its own server")
     if args.prefill_devices is not None and not args.disaggregate:
         raise SystemExit("--prefill-devices with --no-disaggregate: the instance serves colocated on its whole mesh")
     return n, pid, coordinator
@@ -199,9 +197,17 @@ def lead(engine, kv_client, processes: int, coordinator: str, timeout: float, on
 
 
 def _replayed(engine) -> dict[str, Any]:
-    """What the leader's calls name, by name: each instance's programs, and a PD engine's page transfer."""
+    """What the leader's calls name, by name: each instance's programs, a PD engine's page transfer, and the KV
+    connector's pool moves of an instance whose mesh spans processes (a prefill or decode server's; built
+    here, on every process, as `programs.kv_across`)."""
+    from ernie_jax.engine.spanning_pool import SpanningPool, spans_processes
     out = {inst.name: inst.programs for inst in engine.instances}
     out.update({inst.transfer.name: inst.transfer for inst in engine.instances if inst.transfer is not None})
+    for inst in engine.instances:
+        if spans_processes(inst.programs):
+            if inst.programs.kv_across is None:
+                inst.programs.kv_across = SpanningPool(inst.programs)
+            out[inst.programs.kv_across.name] = inst.programs.kv_across
     return out
 
 
