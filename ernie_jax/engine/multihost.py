@@ -13,8 +13,8 @@ of the last `WINDOW` calls, and the outputs of a call marked `pinned` (a page ba
 instances, which may wait in an inbox for many calls) until the leader's copy is garbage: the leader then
 names the call in its next message. Programs return their results replicated, so the leader reads its own
 copy; an instance whose devices are all other processes' (PD with a submesh per process) brings what the
-leader reads onto the leader's device in a call of its own (ModelPrograms.fetch), through JAX's
-cross-host transfers. Nothing comes back over the channel but heartbeats and errors.
+leader reads onto the leader's device in a call of its own right behind each step (ModelPrograms.send),
+through JAX's cross-host transfers. Nothing comes back over the channel but heartbeats and errors.
 
 Channel: one TCP connection per follower, to a port the leader publishes in jax.distributed's key-value store.
 Frames are length-prefixed pickles, read back by an unpickler that accepts numpy arrays and the project's
@@ -222,7 +222,7 @@ class Leader:
                 out = method(obj, *args)
             except BaseException as e:
                 self.fail(f"{obj.name}.{method.__name__} failed on the leader after the followers were told "
-                           f"to run it: {e!r}")
+                          f"to run it: {e!r}")
                 raise
             finally:
                 self._local.inside = False
