@@ -164,6 +164,8 @@ def test_bad_process_flags_are_refused_naming_the_flag():
     assert transfer_address("127.0.0.1:1", None).startswith("127.0.0.1:")
     assert not transfer_address("127.0.0.1:1", None).endswith(":0")  # the transfer library needs a real port
     assert transfer_address("127.0.0.1:1", "10.1.2.3:5555") == "10.1.2.3:5555"
+    with pytest.raises(SystemExit, match="--kv-transfer-address 203.0.113.9: no address for the cross-host"):
+        transfer_address("127.0.0.1:1", "203.0.113.9")  # not this host's: nothing to listen on
     with pytest.raises(MeshError, match="a mesh of 6 devices does not split evenly over 4 processes"):
         request_host_devices("6", 4)
 

@@ -5,8 +5,8 @@ with the same model and engine settings, and loads the model onto the global mes
 own devices' shards). With --prefill-devices the instance is disaggregated over two submeshes (each may be
 one process's devices: every process builds both, JAX runs each program where its devices are, and the
 hand-over's pages cross with JAX's cross-host transfers); with --pd-role it is a prefill or decode server
-whose KV connector runs on process 0 (engine/spanning_pool.py). Process 0 is the leader: it serves the API and steps the engine, and each device call
-goes to the followers first (engine/multihost.py). A follower builds the same engine, answers only
+whose KV connector runs on process 0 (engine/spanning_pool.py). Process 0 is the leader: it serves the API
+and steps the engine, and each device call goes to the followers first (engine/multihost.py). A follower builds the same engine, answers only
 `/health`, and replays the leader's calls until the leader stops it (exit 0) or is lost (exit 1).
 A lost follower fails the leader's requests in flight with an error, /health turns 503, and the leader
 exits 1 so a supervisor restarts the whole job.
@@ -65,13 +65,17 @@ def transfer_address(coordinator: str, given: str | None) -> str:
     submeshes of different processes): --kv-transfer-address (a port of 0 or none: a free one), else the
     address this host reaches the coordinator from."""
     host, _, port = (given or "").partition(":")
-    if not host:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # no packet is sent: it picks the route
-            s.connect((coordinator.rsplit(":", 1)[0], 9))
-            host = s.getsockname()[0]
-    if not port or port == "0":  # the transfer library publishes the address as given: it needs the port
-        with socket.create_server((host, 0)) as s:
-            port = str(s.getsockname()[1])
+    try:
+        if not host:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # no packet is sent: it picks the route
+                s.connect((coordinator.rsplit(":", 1)[0], 9))
+                host = s.getsockname()[0]
+        if not port or port == "0":  # the transfer library publishes the address as given: it needs the port
+            with socket.create_server((host, 0)) as s:
+                port = str(s.getsockname()[1])
+    except OSError as e:
+        raise SystemExit(f"--kv-transfer-address {given or '(default)'}: no address for the cross-host transfers "
+                         f"of a PD hand-over between processes ({e})") from None
     return f"{host}:{port}"
 
 
