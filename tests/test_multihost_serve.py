@@ -276,7 +276,8 @@ def test_pd_with_a_submesh_per_process_matches_one_process(small_model, mtp):
     Greedy text (and logprobs without MTP) equal to one process with the same submeshes, alone and with two
     requests at once; then with MTP both exit 0 after a drained stop, without it the follower is killed
     mid-stream (an error event, the leader exits non-zero). MTP (k = 1) with EPLB re-placements (every 8 steps
-    and once more through the admin route) on the embedded model (it has the MTP block), in float32 (the reference's and the job's reductions may order differently, docs/multihost.md)."""
+    and once more through the admin route) on the embedded model (it has the MTP block), in float32 (the
+    reference's and the job's reductions may order differently, docs/multihost.md)."""
     pd = ["--prefill-devices", "4", "--pd-policy", "static"]
     settings = dict(prefill_devices=4, pd_policy="static")
     if mtp:  # and EPLB re-placing the experts on both submeshes every 8 steps
