@@ -187,7 +187,8 @@ def test_an_unreachable_coordinator_is_a_clear_error_within_the_timeout():
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype differs between processes"),
     (["--mesh", "data=1,expert=4,tensor=2"], "--mesh differs between processes"),
     (["--model", str(GOLDEN / "shared_untied" / "paddle")], "the model (--model's config and weight files) differs"),
-], ids=["max-num-seqs", "num-processes", "kv-cache-dtype", "mesh", "model"])
+    (["--pd-role", "decode", "--router", "http://127.0.0.1:9"], "--pd-role differs between processes"),
+], ids=["max-num-seqs", "num-processes", "kv-cache-dtype", "mesh", "model", "pd-role"])
 def test_processes_launched_differently_both_exit_naming_the_setting(follower_extra, message):
     leader, follower = _job(follower_extra=follower_extra, timeout=20)
     try:

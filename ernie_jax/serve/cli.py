@@ -206,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"error: {e}") from None
     if processes > 1:  # before anything else can fail differently on each process
         distributed.check_same_setup(kv_client, processes, process_id,
-                                     distributed.setup_of(config, model_dir, processes), args.distributed_timeout)
+                                     distributed.setup_of(config, model_dir, processes, args.pd_role),
+                                     args.distributed_timeout)
     if len(jax.devices()) < n_devices:
         raise SystemExit(f"--mesh {args.mesh} needs {n_devices} devices; this machine has {len(jax.devices())} "
                          f"({jax.default_backend()})")

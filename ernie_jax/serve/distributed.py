@@ -177,12 +177,13 @@ def _flag(key: str) -> str:
     return names.get(key) or f"--{key.replace('_', '-')}"
 
 
-def setup_of(config, model_dir: str, processes: int) -> dict:
+def setup_of(config, model_dir: str, processes: int, pd_role: str = "mixed") -> dict:
     """What must match across processes: the model, every engine setting that shapes a program or the pool,
-    the process count and the devices each process brings."""
+    the server's PD role (a prefill or decode server's pool moves are calls of every process), the process
+    count and the devices each process brings."""
     import jax
     out = {k: v for k, v in config.summary().items() if k not in _LOCAL_SETTINGS}
-    out.update(model=model_identity(model_dir), num_processes=processes, jax=jax.__version__,
+    out.update(model=model_identity(model_dir), num_processes=processes, jax=jax.__version__, pd_role=pd_role,
                local_devices=f"{jax.local_device_count()} {jax.default_backend()}")
     return out
 
