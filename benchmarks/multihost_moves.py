@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -33,24 +32,18 @@ SETTINGS = dict(max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=128, 
 EPLB = {"num_redundant_experts": 8, "window_size": 16, "step_interval": 100000}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def worker(what: str, processes: int, pid: int, port: int, transfer_port: int, pages: list[int],
-           repeats: int) -> list[dict]:
+def worker(what: str, processes: int, pid: int, port: int, pages: list[int], repeats: int) -> list[dict]:
     import jax
     if processes > 1:
-        jax.config.update("jax_cross_host_transfer_socket_address", f"127.0.0.1:{transfer_port + pid}")
+        from ernie_jax.serve.distributed import transfer_address  # a free port of this host, as the server picks
+        jax.config.update("jax_cross_host_transfer_socket_address", transfer_address(f"127.0.0.1:{port}", None))
         jax.distributed.initialize(f"127.0.0.1:{port}", processes, pid)
+    if what == "experts":
+        return _expert_moves(processes, pid, repeats)
     import numpy as np
 
     from ernie_jax import LLM
     rows = []
-    if what == "experts":
-        return _expert_moves(processes, pid, repeats)
     llm = LLM(None, mesh=8, prefill_devices=4, pd_policy="static", **SETTINGS)
     transfer = llm.engine.instances[0].transfer
     receiver = any(d.process_index == jax.process_index() for d in transfer.dst.devices)
@@ -105,12 +98,14 @@ def _expert_moves(processes: int, pid: int, repeats: int) -> list[dict]:
 def run(what: str, processes: int, pages: list[int], repeats: int) -> list[dict]:
     """The setup's processes (this script again, as workers) for one measurement ("pages" or "experts");
     their rows."""
-    port, transfer_port = _free_port(), _free_port()
+    sys.path.insert(0, ROOT)
+    from tests.serving import free_port  # here only: tests' conftest sets up 8 devices a process on import
+    port = free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={8 // processes}",
            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     argv = ["--pages", ",".join(map(str, pages)), "--repeats", str(repeats)]
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv, "--worker", what, str(processes), str(port),
-                               str(transfer_port), str(pid)], env=env, stdout=subprocess.PIPE, text=True)
+                               str(pid)], env=env, stdout=subprocess.PIPE, text=True)
              for pid in range(processes)]
     rows = []
     for p in procs:
@@ -128,12 +123,12 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", default=None, help="append the rows as JSON lines here")
     ap.add_argument("--measure", default="pages,experts")
-    ap.add_argument("--worker", nargs=5, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", nargs=4, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     pages = [int(x) for x in args.pages.split(",")]
     if args.worker:
-        what, (processes, port, transfer_port, pid) = args.worker[0], map(int, args.worker[1:])
-        for row in worker(what, processes, pid, port, transfer_port, pages, args.repeats):
+        what, (processes, port, pid) = args.worker[0], map(int, args.worker[1:])
+        for row in worker(what, processes, pid, port, pages, args.repeats):
             print("ROW: " + json.dumps(row), flush=True)
         return 0
     for what, n in ((w, int(x)) for w in args.measure.split(",") for x in args.processes.split(",")):
