@@ -57,15 +57,16 @@ def test_w8a8_linear_matches_reference(T, K, N):
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
-def test_cpu_layout_holds_fp8_values_as_f32_with_the_same_results():
-    """weights.cpu_layout widens FP8 values to f32 (XLA:CPU would convert them in every matmul): exact, and
-    the w8a8 and weight-only matmuls give the same bits."""
-    from ernie_jax.model.weights import _fp8_values_as_f32
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_cpu_layout_holds_fp8_values_widened_with_the_same_results(dtype):
+    """weights.cpu_layout widens FP8 values to f32 or bf16 (XLA:CPU would convert them in every matmul):
+    exact, and the w8a8 and weight-only matmuls give the same bits."""
+    from ernie_jax.model.weights import _fp8_values_as
     rng = np.random.default_rng(0)
     w = quantize_block_fp8(rng.standard_normal((2, 384, 320)).astype(np.float32))
-    wide = _fp8_values_as_f32({"segments": [], "w": w})["w"]
-    assert wide.values.dtype == jnp.float32 and wide.scales.dtype == jnp.float32
-    np.testing.assert_array_equal(np.asarray(wide.values), np.asarray(w.values.astype(jnp.float32)))
+    wide = _fp8_values_as({"segments": [], "w": w}, dtype)["w"]
+    assert wide.values.dtype == dtype and wide.scales.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(wide.values, np.float32), np.asarray(w.values.astype(jnp.float32)))
     x = jnp.asarray(rng.standard_normal((5, 384)), jnp.bfloat16)
     for compute in ("w8a8", "weight_only"):
         for e in range(2):

@@ -43,6 +43,36 @@ def test_block_fp8_matmul(M, K, N, dtype):
     assert _rel(out, ref) < (1e-6 if dtype == jnp.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("M, K, N", [(7, 200, 136), (2, 256, 1536), (16, 384, 256), (1, 128, 72)])
+@pytest.mark.parametrize("values", [jnp.float8_e4m3fn, jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("k_major", [False, True])
+def test_xla_cpu_block_fp8_matmul_is_the_reference(M, K, N, values, k_major):
+    """The XLA:CPU form (K blocks as one batched dot, the values as FP8, or as the bf16 / f32 the CPU layout
+    holds them in) gives the reference's result: the same promotion and order of block sums, only a block's
+    own additions may differ (a few f32 ulps); K padded to a block included."""
+    x = jax.random.normal(jax.random.key(M), (M, K)).astype(jnp.bfloat16)
+    w = quantize_block_fp8(jax.random.normal(jax.random.key(K), (K, N)) * 0.05).relayout(k_major)
+    out = block_fp8_matmul(x.astype(jnp.float32), w.values.astype(values), w.scales, k_major, implementation="xla_cpu")
+    ref = block_fp8_matmul(x.astype(jnp.float32), w.values, w.scales, k_major, implementation="xla")
+    assert out.shape == (M, N) and out.dtype == jnp.float32 and _rel(out, ref) < 1e-6
+    under_vmap = jax.vmap(lambda v: block_fp8_matmul(x, v, w.scales, k_major, implementation="xla_cpu"))
+    np.testing.assert_array_equal(np.asarray(under_vmap(jnp.stack([w.values.astype(values)] * 2))[1]),
+                                  np.asarray(block_fp8_matmul(x, w.values.astype(values), w.scales, k_major,
+                                                              implementation="xla_cpu")))
+
+
+def test_xla_cpu_block_fp8_matmul_is_chosen_with_bf16_units_only(monkeypatch):
+    """The execution config takes the XLA:CPU form, with the values held as bf16, on a CPU with native bf16
+    dot products, and the reference with f32 values elsewhere, saying why."""
+    from ernie_jax.ops.block_fp8_matmul import xla_cpu
+    for dtype, impl in (("bfloat16", "xla_cpu"), ("float32", "xla")):
+        monkeypatch.setattr(xla_cpu, "values_dtype", lambda dtype=dtype: dtype)
+        ex = ExecutionConfig.select(Platform("cpu"))
+        assert (ex.block_fp8_matmul, ex.cpu_fp8_values) == (impl, dtype)
+    assert "no native bf16 dot products" in ex.describe()
+    assert ExecutionConfig.select(Platform("gpu", (9, 0))).block_fp8_matmul == PALLAS
+
+
 @pytest.mark.parametrize("M", [1, 16])
 def test_decode_sized_matmul_splits_k(M):
     """Decode-sized M shares the K blocks out over several programs (split-K) and adds their f32 partial
@@ -374,9 +404,11 @@ def test_sharded_fp8_linears_run_the_kernel_per_device(monkeypatch):
 def test_execution_config_choice_per_platform():
     """Each op takes its first supported implementation and says why it passed over the others: an A100 (8.0)
     has no FP8 MMA, so it keeps the FP8 matmuls on XLA and runs the attention kernel."""
+    from ernie_jax.ops.block_fp8_matmul.xla_cpu import supports
     cpu = ExecutionConfig.select(Platform("cpu"))
+    fp8 = "xla_cpu" if supports(Platform("cpu")) is None else "xla"  # where the CPU has bf16 dot products
     assert (cpu.block_fp8_matmul, cpu.paged_attention, cpu.routed_experts, cpu.ep_dispatch) == \
-        ("xla", "xla_cpu", "xla_cpu", "replicated") and cpu.kv_bf16_bits
+        (fp8, "xla_cpu", "xla_cpu", "replicated") and cpu.kv_bf16_bits
     a100 = ExecutionConfig.select(Platform("gpu", (8, 0)))
     assert (a100.block_fp8_matmul, a100.grouped_fp8_matmul, a100.paged_attention, a100.routed_experts) == \
         ("xla", "xla", PALLAS, "ragged")
@@ -430,7 +462,7 @@ def test_a_failing_kernel_falls_back_at_start_up(monkeypatch, caplog):
         llm = LLM(EMBEDDED_MODEL_DIR, **EMBEDDED_ENGINE)
     assert any("broken_kernel" in r.getMessage() and "falling back" in r.getMessage() for r in caplog.records)
     ops = {o["op"]: o for o in llm.engine.compile_report.ops}
-    assert ops["block_fp8_matmul"]["implementation"] == "xla"
+    assert ops["block_fp8_matmul"]["implementation"] == ExecutionConfig.select(Platform("cpu"), "xla").block_fp8_matmul
     assert "broken_kernel: self-check failed: RuntimeError: no FP8 MMA" in ops["block_fp8_matmul"]["passed_over"]
     out = llm.generate(prompt_token_ids=[[1, 300, 42]], sampling_params=SamplingParams(max_tokens=4, temperature=0))
     assert len(out[0].outputs[0].token_ids) == 4

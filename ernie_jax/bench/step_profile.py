@@ -1,7 +1,7 @@
 """`python -m ernie_jax.bench step-profile`: where one decode step's time goes, at 1 and 16 streams.
 
     python -m ernie_jax.bench step-profile [--model MODEL] [--streams 1,16] [--steps 64] [--dtype bfloat16]
-        [--mesh M] [--no-chain]
+        [--mesh M] [--no-chain] [--variant OP=IMPL[,OP=IMPL...] ...] [--rounds 3]
 
 For each stream count, that many greedy requests are prefilled, then `--steps` decode steps are driven on
 the instance exactly as the engine's loop drives them (`Instance.begin` / `end`, the chained decode step
@@ -19,10 +19,16 @@ wall time minus the host parts is time the host waited. The weights' bytes on th
 the decode program's time say how near the program runs to memory bandwidth (a decode step reads every
 dense weight; whether it reads every expert depends on the expert implementation). Nothing in the engine is changed: the timers wrap
 the instance's methods from outside.
+
+`--variant` (repeatable) compares execution configs (ops/execution.py) on the same weights: each variant
+names fields of the config (e.g. `block_fp8_matmul=xla`; an empty one is the default choice), gets its own
+engine, and `--rounds` rounds run every variant's profile one after the other, so a slow spell of the
+machine hits all of them; the table has one row per round.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from contextlib import contextmanager
@@ -121,6 +127,34 @@ def profile(llm, streams: int, steps: int, prompt_len: int, seed: int = 0) -> di
             "device": statistics.median(device) if device else float("nan"), "tok_s": streams / wall}
 
 
+def _variant_model(model: str | None, dtype: str, spec: str):
+    """The model with the execution config that `spec` ("field=value,..."; "" is the default choice) names."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from ernie_jax import ErnieConfig, ErnieForCausalLM
+    from ernie_jax.assets import EMBEDDED_MODEL_DIR
+    from ernie_jax.checkpoint import read_pretrained
+    from ernie_jax.ops.base import Platform
+    from ernie_jax.ops.execution import ExecutionConfig
+    types = {f.name: f.type for f in dataclasses.fields(ExecutionConfig)}
+    overrides = {}
+    for item in filter(None, spec.split(",")):
+        key, _, value = item.partition("=")
+        if key not in types:
+            raise SystemExit(f"--variant {spec!r}: {key!r} is not an execution config field ({sorted(types)})")
+        overrides[key] = int(value) if types[key] in (int, "int") else value
+    ex = ExecutionConfig.select(Platform.of(jax.devices()[0]), **overrides)
+    jdtype = jnp.dtype(dtype)
+    if model is None or os.path.isdir(model):
+        cfg, weights = read_pretrained(model or EMBEDDED_MODEL_DIR, jdtype)
+        return ErnieForCausalLM.from_host(cfg, weights, jdtype, None, ex)
+    return ErnieForCausalLM(ErnieConfig.preset(model), rngs=nnx.Rngs(0), dtype=jdtype, execution=ex)
+
+
 def step_profile(args) -> int:
     from ernie_jax.sharding.mesh import request_host_devices
     request_host_devices(args.mesh)
@@ -129,20 +163,31 @@ def step_profile(args) -> int:
     from ernie_jax import LLM
 
     counts = [int(x) for x in args.streams.split(",")]
-    llm = LLM(args.model, dtype=args.dtype, mesh=args.mesh, max_num_seqs=max(counts),
-              max_model_len=args.prompt_len + args.steps + 16, background_compile=False,
-              **({"disaggregate": False} if args.mesh else {}))
-    if args.no_chain:
-        for inst in llm.engine.instances:
-            inst.scheduler.overlap = False
+    variants = args.variant or [None]
+    llms = {}
+    for spec in variants:
+        model = args.model if spec is None else _variant_model(args.model, args.dtype, spec)
+        llm = llms[spec] = LLM(model, dtype=args.dtype, mesh=args.mesh, max_num_seqs=max(counts),
+                               max_model_len=args.prompt_len + args.steps + 16, background_compile=False,
+                               **({"disaggregate": False} if args.mesh else {}))
+        if args.no_chain:
+            for inst in llm.engine.instances:
+                inst.scheduler.overlap = False
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                "?") if jax.default_backend() == "cpu" else jax.devices()[0].device_kind
     print(f"model {args.model or 'the embedded model'} ({args.dtype}), {jax.device_count()} {jax.default_backend()} device(s) ({cpu}), "
           f"prompt {args.prompt_len} tokens, {args.steps} decode steps each, chained: {not args.no_chain}; "
           "medians per step, ms")
-    weights = llm.engine.instances[-1].programs.weights
-    weight_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(weights))  # device 0's
-    print(f"weights as the decode program reads them: {weight_bytes / 1e6:.1f} MB a device")
+    if jax.default_backend() == "cpu":
+        flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
+        print("CPU vector extensions:", " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags))
+    for spec, llm in llms.items():
+        weights = llm.engine.instances[-1].programs.weights
+        weight_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(weights))  # device 0's
+        llm.weight_bytes = weight_bytes
+        print(f"{'' if spec is None else f'variant {spec!r}: '}{llm.engine.instances[-1].programs.execution.describe()}; "
+              f"weights as the decode program reads them: {weight_bytes / 1e6:.1f} MB a device")
+    llm = next(iter(llms.values()))
     if args.mesh:  # what crosses devices each step: every collective is a rendezvous of the mesh's devices
         import collections
         import re
@@ -150,16 +195,21 @@ def step_profile(args) -> int:
         found = collections.Counter(re.findall(r"= \S+ (all-gather|all-reduce|all-to-all|collective-permute|"
                                                r"reduce-scatter)(?:-start)?\(", hlo))
         print(f"collectives in a decode program: {sum(found.values())} {dict(sorted(found.items()))}")
-    print("| streams | step wall | plan | inputs | launch | read (incl. wait) | update | host total | "
-          "decode program alone | weight bytes / program time | tok/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print(("| variant " if args.variant else "") + "| streams | step wall | plan | inputs | launch | read (incl. wait) | "
+          "update | host total | decode program alone | weight bytes / program time | tok/s |")
+    print(("|---" if args.variant else "") + "|---|---|---|---|---|---|---|---|---|---|---|")
     for n in counts:
-        profile(llm, n, 4, args.prompt_len)  # every program and sampler variant compiled and warm
-        r = profile(llm, n, args.steps, args.prompt_len, seed=1)
-        ms = {k: 1e3 * v for k, v in r.items() if k not in ("streams", "tok_s")}
-        print(f"| {n} | {ms['wall']:.2f} | {ms['plan']:.2f} | {ms['inputs']:.2f} | {ms['launch']:.2f} | "
-              f"{ms['read']:.2f} | {ms['update']:.2f} | {ms['host'] - ms['read']:.2f} + read | "
-              f"{ms['device']:.2f} | {weight_bytes / r['device'] / 1e9:.1f} GB/s | {r['tok_s']:.0f} |", flush=True)
+        for llm in llms.values():
+            profile(llm, n, 4, args.prompt_len)  # every program and sampler variant compiled and warm
+        for _ in range(args.rounds if args.variant else 1):
+            for spec, llm in llms.items():
+                r = profile(llm, n, args.steps, args.prompt_len, seed=1)
+                ms = {k: 1e3 * v for k, v in r.items() if k not in ("streams", "tok_s")}
+                print(("" if spec is None else f"| {spec or 'default'} ") +
+                      f"| {n} | {ms['wall']:.2f} | {ms['plan']:.2f} | {ms['inputs']:.2f} | {ms['launch']:.2f} | "
+                      f"{ms['read']:.2f} | {ms['update']:.2f} | {ms['host'] - ms['read']:.2f} + read | "
+                      f"{ms['device']:.2f} | {llm.weight_bytes / r['device'] / 1e9:.1f} GB/s | {r['tok_s']:.0f} |",
+                      flush=True)
     return 0
 
 
@@ -172,4 +222,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--mesh", default=None)
     p.add_argument("--no-chain", action="store_true", help="read every decode step before planning the next")
+    p.add_argument("--variant", action="append", default=None, metavar="FIELD=VALUE[,...]",
+                   help="an execution config to compare (repeatable; '' is the default choice), e.g. "
+                        "block_fp8_matmul=xla")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of alternated variants (with --variant)")
     p.set_defaults(run=step_profile)

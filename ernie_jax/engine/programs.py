@@ -70,7 +70,8 @@ class ModelPrograms:
         self.weights = model.weights()
         if platform(model) == "cpu":
             groups = cpu_expert_groups(self.cfg.moe_num_experts) if self.plan is None else 1
-            self.weights = cpu_layout(self.weights, expert_groups=groups)  # why: weights.cpu_layout
+            self.weights = cpu_layout(self.weights, expert_groups=groups,  # why: weights.cpu_layout
+                                      fp8_values=self.execution.cpu_fp8_values)
         page_size, num_pages = cache.block_size, cache.num_gpu_blocks_override
         self.page_size, self.max_pages = page_size, max_pages_per_seq
         if self.plan is not None:

@@ -204,7 +204,7 @@ def param_counts(cfg: ErnieConfig) -> dict[str, int]:
     return {"total": total, "active": active, "mtp": mtp}
 
 
-def cpu_layout(weights: dict[str, Any], expert_groups: int = 1) -> dict[str, Any]:
+def cpu_layout(weights: dict[str, Any], expert_groups: int = 1, fp8_values: str = "float32") -> dict[str, Any]:
     """The weights as the engine runs them on XLA:CPU: each segment's stacked [L, ...] leaves split into a
     list of L per-layer pytrees (each leaf its own buffer, on the same devices and sharded like its stacked
     leaf), which forward() unrolls. XLA:CPU copies a layer's weights out of the stack on every step of a
@@ -219,12 +219,13 @@ def cpu_layout(weights: dict[str, Any], expert_groups: int = 1) -> dict[str, Any
     over all experts splits each small matmul across the cores (benchmarks/RESULTS.md, "CPU measurements
     behind design choices").
 
-    Block-FP8 values are held as f32 (exactly: every e4m3 value is an f32): XLA:CPU has no FP8 arithmetic,
-    so an FP8 operand is converted to f32 inside every matmul, i.e. every weight at every step; converted
-    once here, the matmuls compute the same numbers (tests/test_fp8.py) at 4x the bytes."""
+    Block-FP8 values are held as `fp8_values` (f32 or bf16; exactly: every e4m3 value is both): XLA:CPU has
+    no FP8 arithmetic, so an FP8 operand is converted inside every matmul, i.e. every weight at every step;
+    converted once here, the matmuls compute the same numbers (tests/test_fp8.py) at 4x or 2x the bytes
+    (ExecutionConfig.cpu_fp8_values picks the dtype for the CPU)."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    weights = _fp8_values_as_f32(weights)
+    weights = _fp8_values_as(weights, jnp.dtype(fp8_values))
 
     def layer_sharding(a):  # the sharding of a[i] (and of a[i, e0:e1]): a's, less the layer axis
         s = a.sharding
@@ -256,11 +257,11 @@ def cpu_layout(weights: dict[str, Any], expert_groups: int = 1) -> dict[str, Any
     return {**weights, "segments": segments}
 
 
-def _fp8_values_as_f32(weights: dict[str, Any]) -> dict[str, Any]:
-    """weights with every BlockFP8's values converted to f32 on their devices (same shardings)."""
+def _fp8_values_as(weights: dict[str, Any], dtype) -> dict[str, Any]:
+    """weights with every BlockFP8's values converted to `dtype` on their devices (same shardings)."""
     is_fp8 = lambda x: isinstance(x, BlockFP8)  # noqa: E731
     if not any(map(is_fp8, jax.tree.leaves(weights, is_leaf=is_quantized))):
         return weights
-    widen = lambda x: dataclasses.replace(x, values=x.values.astype(jnp.float32)) if is_fp8(x) else x  # noqa: E731
+    widen = lambda x: dataclasses.replace(x, values=x.values.astype(dtype)) if is_fp8(x) else x  # noqa: E731
     shardings = jax.tree.map(lambda a: a.sharding, weights)
     return jax.jit(lambda w: jax.tree.map(widen, w, is_leaf=is_fp8), out_shardings=shardings)(weights)

@@ -61,8 +61,8 @@ class ExecutionConfig:
                 continue
             chosen[name], skipped = op.choose(platform, kernels)
             passed += [(name, impl, why) for impl, why in skipped]
-        fields = dict(platform=platform, kernels=kernels, **chosen,
-                      ep_dispatch="replicated" if platform.backend == "cpu" else "all_to_all")
+        cpu = platform.backend == "cpu"
+        fields = dict(platform=platform, kernels=kernels, **chosen, ep_dispatch="replicated" if cpu else "all_to_all")
         fields.update(overrides)
         fields.setdefault("passed_over", tuple(passed))
         return cls(**fields)
@@ -75,6 +75,12 @@ class ExecutionConfig:
         """Whether bf16 KV pools are stored as uint16 bits (ops/paged_attention/storage.py): on XLA:CPU, unless
         the attention kernel (which reads bf16) runs."""
         return self.platform.backend == "cpu" and not self.uses_kernel("paged_attention")
+
+    @property
+    def cpu_fp8_values(self) -> str:
+        """The dtype XLA:CPU holds block-FP8 values in (model/weights.cpu_layout; both exact): bf16 for the
+        xla_cpu block-FP8 matmul, which is chosen on CPUs with native bf16 dot products, else f32."""
+        return "bfloat16" if self.block_fp8_matmul == "xla_cpu" else "float32"
 
     @property
     def kernel_layout(self) -> bool:
@@ -104,6 +110,8 @@ class ExecutionConfig:
             why = "; ".join(f"{impl}: {reason}" for op, impl, reason in self.passed_over if op == name)
             out.append({"op": name, "implementation": getattr(self, name), "passed_over": why})
         out.append({"op": "ep_dispatch", "implementation": self.ep_dispatch, "passed_over": ""})
+        if self.platform.backend == "cpu":
+            out.append({"op": "cpu_fp8_values", "implementation": self.cpu_fp8_values, "passed_over": ""})
         return out
 
     def describe(self) -> str:
