@@ -47,11 +47,14 @@ def test_ragged_fp8_grouped_path_matches_capacity_path(golden):
     assert np.abs(ragged_logits - capacity_ref).max() < 1e-4
 
 
-def test_expert_capacities_cover_every_load():
-    for tokens, k, experts in [(16, 4, 16), (128, 8, 64), (1, 8, 64), (7, 2, 8), (3, 2, 2)]:
-        caps = expert_capacities(tokens, k, experts)
+@pytest.mark.parametrize("midpoints", [True, False])
+def test_expert_capacities_cover_every_load(midpoints):
+    for tokens, k, experts in [(16, 4, 16), (128, 8, 64), (1, 8, 64), (7, 2, 8), (3, 2, 2), (100, 1, 64)]:
+        caps = expert_capacities(tokens, k, experts, midpoints)
         assert caps == sorted(set(caps)) and caps[-1] == tokens  # no expert can get more than `tokens` rows
         assert caps[0] >= min(-(-tokens * k // experts), tokens)  # nothing below the mean load
+    assert expert_capacities(16, 4, 16, midpoints) == ([4, 8, 12, 16] if midpoints else [4, 8, 16])
+    assert expert_capacities(64, 4, 16, midpoints) == ([16, 24, 32, 48, 64] if midpoints else [16, 32, 64])
 
 
 @pytest.mark.parametrize("groups", [1, 2])

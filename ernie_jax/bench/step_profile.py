@@ -146,7 +146,8 @@ def _variant_model(model: str | None, dtype: str, spec: str):
         key, _, value = item.partition("=")
         if key not in types:
             raise SystemExit(f"--variant {spec!r}: {key!r} is not an execution config field ({sorted(types)})")
-        overrides[key] = int(value) if types[key] in (int, "int") else value
+        overrides[key] = (int(value) if types[key] in (int, "int") else
+                          value.lower() in ("1", "true", "yes") if types[key] in (bool, "bool") else value)
     ex = ExecutionConfig.select(Platform.of(jax.devices()[0]), **overrides)
     jdtype = jnp.dtype(dtype)
     if model is None or os.path.isdir(model):

@@ -40,6 +40,7 @@ class ExecutionConfig:
     ep_dispatch: str = "replicated"
     expert_tile_rows: int = 256
     sorted_tile_rows: int = 128
+    expert_capacity_midpoints: bool = True  # ops/routed_experts/capacity.expert_capacities
     attention_block_slots: int = 64  # key slots per step of the XLA paged-attention loop
     passed_over: tuple[tuple[str, str, str], ...] = ()  # (op, implementation, why) for the report
 
@@ -94,7 +95,7 @@ class ExecutionConfig:
 
     @property
     def expert_options(self) -> ExpertOptions:
-        return ExpertOptions(self.matmuls, self.expert_tile_rows, self.sorted_tile_rows)
+        return ExpertOptions(self.matmuls, self.expert_tile_rows, self.sorted_tile_rows, self.expert_capacity_midpoints)
 
     def fall_back(self, op: str, why: str) -> "ExecutionConfig":
         """This config with `op` moved past its current implementation (a failed self-check)."""

@@ -20,17 +20,21 @@ from ernie_jax.ops.routed_experts.common import (ExpertOptions, combine, expert_
                                                  num_local, ranks)
 
 
-def expert_capacities(tokens: int, k: int, num_experts: int) -> list[int]:
+def expert_capacities(tokens: int, k: int, num_experts: int, midpoints: bool = True) -> list[int]:
     """The per-expert row capacities a step picks from, ascending: powers of two from the mean load (and
-    from 2: XLA:CPU runs one-row matmuls through a slow f32 fallback) up to `tokens`. A token picks an
-    expert at most once, so no expert gets more than `tokens` rows and the last capacity always holds every
-    assignment. (Each capacity is a branch of the compiled program: finer steps would pad less but compile
-    slower.)"""
+    from 2: XLA:CPU runs one-row matmuls through a slow f32 fallback) up to `tokens`, with `midpoints` also
+    1.5x each power of two from 8 (12, 24, 48, ...). A token picks an expert at most once, so no expert gets
+    more than `tokens` rows and the last capacity always holds every assignment. Each capacity is a branch
+    of the compiled program: finer steps pad less but compile slower. The largest load is usually well
+    above the mean (a trained router is uneven), so a 16-token step mostly lands between 8 and 16 rows,
+    where 12 saves a quarter of the work (benchmarks/RESULTS.md, "Routed-expert capacities on XLA:CPU")."""
     mean = max(-(-tokens * k // num_experts), 2)
     out, c = [], 1
     while c < tokens:
         if c >= mean:
             out.append(c)
+        if midpoints and c >= 8 and c * 3 // 2 < tokens and c * 3 // 2 >= mean:
+            out.append(c * 3 // 2)
         c *= 2
     return out + [tokens]
 
@@ -55,7 +59,7 @@ def _at_capacity(x, weights, ids, up_gate, down, first_expert, opts: ExpertOptio
 
 def capacity_experts(x, weights, ids, up_gate, down, num_experts: int, first_expert, batch_invariant: bool,
                      opts: ExpertOptions) -> jax.Array:
-    caps = expert_capacities(ids.shape[0], ids.shape[1], num_experts)
+    caps = expert_capacities(ids.shape[0], ids.shape[1], num_experts, opts.capacity_midpoints)
     caps = caps[-1:] if batch_invariant else caps
     run = [functools.partial(_at_capacity, opts=opts, capacity=c) for c in caps]
     if len(run) == 1:

@@ -21,6 +21,7 @@ class ExpertOptions(NamedTuple):
     matmuls: Matmuls = Matmuls()
     tile_rows: int = 256  # rows per tile of the tiled form (and its prefill threshold in xla_cpu)
     sorted_tile_rows: int = 128  # rows per tile of the sorted-tiles form
+    capacity_midpoints: bool = True  # the capacity form's capacities: powers of two and, from 8, 1.5x between
 
 
 def expert_groups(w) -> tuple:
