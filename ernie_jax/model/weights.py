@@ -213,9 +213,9 @@ def cpu_layout(weights: dict[str, Any], expert_groups: int = 1, fp8_values: str 
     slice the same way (an H200 trace: RESULTS.md, "GPU check (H200)"); the GPU keeps the scan until
     per-layer buffers can be made there without the stacked copy beside them.
 
-    expert_groups > 1 (unsharded bf16/f32 routed experts; a divisor of E): each layer's [E, ...] expert
-    leaves also become a tuple of that many [E/groups, ...] stacks (ops.routed_experts takes either
-    form). XLA:CPU runs the groups' batched matmuls side by side, one per core, where one batched matmul
+    expert_groups > 1 (unsharded bf16/f32 or block-FP8 routed experts; a divisor of E): each layer's
+    [E, ...] expert leaves also become a tuple of that many [E/groups, ...] stacks (ops.routed_experts takes
+    either form). XLA:CPU runs the groups' batched matmuls side by side, one per core, where one batched matmul
     over all experts splits each small matmul across the cores (benchmarks/RESULTS.md, "CPU measurements
     behind design choices").
 
@@ -234,7 +234,7 @@ def cpu_layout(weights: dict[str, Any], expert_groups: int = 1, fp8_values: str 
         return NamedSharding(s.mesh, P(*tuple(s.spec)[1:]))
 
     def grouped(k, a):
-        return (expert_groups > 1 and k in EXPERT_LEAVES and isinstance(a, jax.Array)
+        return (expert_groups > 1 and k in EXPERT_LEAVES and isinstance(a, (jax.Array, BlockFP8))
                 and a.shape[1] % expert_groups == 0)
 
     def layer(seg, i):
@@ -242,7 +242,7 @@ def cpu_layout(weights: dict[str, Any], expert_groups: int = 1, fp8_values: str 
         for k, a in seg.items():
             if grouped(k, a):
                 n = a.shape[1] // expert_groups
-                out[k] = tuple(a[i, g * n:(g + 1) * n] for g in range(expert_groups))
+                out[k] = tuple(jax.tree.map(lambda a: a[i, g * n:(g + 1) * n], a) for g in range(expert_groups))
             else:
                 out[k] = jax.tree.map(lambda a: a[i], a)
         return out
@@ -250,7 +250,7 @@ def cpu_layout(weights: dict[str, Any], expert_groups: int = 1, fp8_values: str 
     segments = []
     for seg in weights["segments"]:
         count = jax.tree.leaves(seg)[0].shape[0]
-        shardings = {k: (layer_sharding(a),) * expert_groups if grouped(k, a) else jax.tree.map(layer_sharding, a)
+        shardings = {k: (jax.tree.map(layer_sharding, a),) * expert_groups if grouped(k, a) else jax.tree.map(layer_sharding, a)
                      for k, a in seg.items()}
         split = jax.jit(lambda seg: [layer(seg, i) for i in range(count)], out_shardings=[shardings] * count)
         segments.append(split(seg))

@@ -16,7 +16,7 @@ import jax
 
 from ernie_jax.ops.base import Implementation, Op, only_on
 from ernie_jax.ops.routed_experts.capacity import capacity_experts, expert_capacities
-from ernie_jax.ops.routed_experts.common import ExpertOptions, num_local
+from ernie_jax.ops.routed_experts.common import ExpertOptions, expert_groups, num_local
 from ernie_jax.ops.routed_experts.ragged import grouped_swiglu, ragged_experts
 from ernie_jax.ops.routed_experts.routing import route, sort_by_expert, to_slots
 from ernie_jax.ops.routed_experts.sorted_tiles import sorted_tile_experts
@@ -28,7 +28,7 @@ def xla_cpu_experts(x, weights, ids, up_gate, down, num_experts, first_expert, b
     there: benchmarks/RESULTS.md, "CPU measurements behind design choices"). Block-FP8 experts and batch-invariant steps
     keep the capacity form (a tile would dequantize its expert's weights once per tile; batch invariance is
     defined on the capacity form)."""
-    tiled = (not batch_invariant and isinstance(up_gate, (jax.Array, tuple))
+    tiled = (not batch_invariant and isinstance(expert_groups(up_gate)[0], jax.Array)
              and ids.size >= opts.tile_rows * num_experts)
     impl = tiled_experts if tiled else capacity_experts
     return impl(x, weights, ids, up_gate, down, num_experts, first_expert, batch_invariant, opts)
