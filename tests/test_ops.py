@@ -359,13 +359,16 @@ def test_model_runs_through_the_kernels(monkeypatch, golden):
 @pytest.mark.parametrize("mesh, kernels_used", [
     ("data=1,expert=8,tensor=1", {"block_fp8_matmul_pallas", "grouped_block_fp8_matmul_pallas",
                                   "paged_attention_pallas"}),  # linears unsplit: whole on each device
-    ("data=1,expert=4,tensor=2", {"grouped_block_fp8_matmul_pallas", "paged_attention_pallas"}),
-    ("data=2,expert=2,tensor=2", {"grouped_block_fp8_matmul_pallas"}),  # pages split by data: XLA attention
+    ("data=1,expert=4,tensor=2", {"block_fp8_matmul_pallas", "grouped_block_fp8_matmul_pallas",
+                                  "paged_attention_pallas"}),
+    # pages split by data: XLA attention
+    ("data=2,expert=2,tensor=2", {"block_fp8_matmul_pallas", "grouped_block_fp8_matmul_pallas"}),
 ])
 def test_sharded_programs_use_kernels_where_shards_allow(monkeypatch, golden, mesh, kernels_used):
     """Under a mesh the expert matmul inside the expert-parallel shard_map and attention per device over its
     KV heads take the kernels; this model's linears (hidden 64) do not split over a tensor axis into whole
-    128-blocks per device, so there they keep the XLA path."""
+    128-blocks per device, so the plan keeps them whole on each device (sharding/fused.fit_plan) and the
+    linear kernel runs there on the whole weight."""
     from ernie_jax import load_pretrained
     from tests.conftest import GOLDEN
     g = golden("shared_untied")

@@ -182,12 +182,12 @@ def step_profile(args) -> int:
     if jax.default_backend() == "cpu":
         flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
         print("CPU vector extensions:", " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags))
+    weight_bytes = {}
     for spec, llm in llms.items():
         weights = llm.engine.instances[-1].programs.weights
-        weight_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(weights))  # device 0's
-        llm.weight_bytes = weight_bytes
+        weight_bytes[spec] = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(weights))  # device 0's
         print(f"{'' if spec is None else f'variant {spec!r}: '}{llm.engine.instances[-1].programs.execution.describe()}; "
-              f"weights as the decode program reads them: {weight_bytes / 1e6:.1f} MB a device")
+              f"weights as the decode program reads them: {weight_bytes[spec] / 1e6:.1f} MB a device")
     llm = next(iter(llms.values()))
     if args.mesh:  # what crosses devices each step: every collective is a rendezvous of the mesh's devices
         import collections
@@ -209,7 +209,7 @@ def step_profile(args) -> int:
                 print(("" if spec is None else f"| {spec or 'default'} ") +
                       f"| {n} | {ms['wall']:.2f} | {ms['plan']:.2f} | {ms['inputs']:.2f} | {ms['launch']:.2f} | "
                       f"{ms['read']:.2f} | {ms['update']:.2f} | {ms['host'] - ms['read']:.2f} + read | "
-                      f"{ms['device']:.2f} | {llm.weight_bytes / r['device'] / 1e9:.1f} GB/s | {r['tok_s']:.0f} |",
+                      f"{ms['device']:.2f} | {weight_bytes[spec] / r['device'] / 1e9:.1f} GB/s | {r['tok_s']:.0f} |",
                       flush=True)
     return 0
 
