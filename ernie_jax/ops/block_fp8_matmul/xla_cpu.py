@@ -11,8 +11,8 @@ The values are multiplied in the dtype the CPU layout holds them in (model/weigh
 e4m3 value, weight or quantized activation, is exact in bf16 and in f32, and each product of two is exact
 in the f32 accumulator, so both give the same numbers. The form is chosen on CPUs with native bf16 dot
 products, with the values held as bf16 (half the bytes, and the bf16 units); with f32 values it measured
-no faster than the reference's loop, which such CPUs keep (benchmarks/RESULTS.md, "A block-FP8 matmul for
-XLA:CPU").
+no faster than the reference's loop, so CPUs without those units keep the reference and f32 values
+(benchmarks/RESULTS.md, "A block-FP8 matmul for XLA:CPU").
 """
 
 from __future__ import annotations
