@@ -10,12 +10,16 @@ figures of machines with and without AVX-512 BF16 can be set side by side (bench
 from __future__ import annotations
 
 import argparse
-import re
+import os
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ernie_jax.ops.block_fp8_matmul.xla_cpu import cpu_flags, vector_extensions  # noqa: E402
 
 SHAPES = "2x256x8192,16x256x8192,2x256x1536,16x512x8192,2x1024x4096"
 
@@ -32,14 +36,6 @@ def per_call_us(f, *args, calls: int) -> float:
     return float(np.median(rounds))
 
 
-def cpu_flags() -> str:
-    try:
-        flags = set(re.search(r"^flags\s*:(.*)$", open("/proc/cpuinfo").read(), re.M).group(1).split())
-    except (OSError, AttributeError):
-        return "unknown"
-    return " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags) or "no AVX2"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default=SHAPES, help="MxKxN,...")
@@ -49,7 +45,7 @@ def main() -> int:
     bf16_weights = jax.jit(lambda x, w: jnp.dot(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32))
     bf16_all = jax.jit(lambda x, w: jnp.dot(x, w))
     rng = np.random.default_rng(0)
-    print(f"CPU vector extensions: {cpu_flags()}")
+    print(f"CPU vector extensions: {(vector_extensions() or 'no AVX2') if cpu_flags() else 'unknown'}")
     print("| M x K x N | f32 us | BF16 weights, f32 accumulation us | BF16 in and out us |")
     print("|---|---|---|---|")
     for shape in args.shapes.split(","):

@@ -180,8 +180,8 @@ def step_profile(args) -> int:
           f"prompt {args.prompt_len} tokens, {args.steps} decode steps each, chained: {not args.no_chain}; "
           "medians per step, ms")
     if jax.default_backend() == "cpu":
-        flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
-        print("CPU vector extensions:", " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags))
+        from ernie_jax.ops.block_fp8_matmul.xla_cpu import vector_extensions
+        print("CPU vector extensions:", vector_extensions())
     weight_bytes = {}
     for spec, llm in llms.items():
         weights = llm.engine.instances[-1].programs.weights

@@ -26,18 +26,28 @@ from ernie_jax.quant.block_fp8 import _padded_k, quantize_activations
 
 # CPU flags (Linux /proc/cpuinfo) of native bf16 dot products: AVX512-BF16 (Zen 4+, Cooper Lake+) and AMX.
 BF16_DOT_FLAGS = ("avx512_bf16", "amx_bf16")
+VECTOR_FLAGS = ("avx2", "avx512f", *BF16_DOT_FLAGS)  # what benchmarks name a CPU by
 
 
 @functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (Linux /proc/cpuinfo); empty where that file cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return frozenset(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        return frozenset()
+
+
+def vector_extensions() -> str:
+    """The vector extensions of VECTOR_FLAGS this CPU has, space-separated."""
+    return " ".join(flag for flag in VECTOR_FLAGS if flag in cpu_flags())
+
+
 def values_dtype() -> str:
     """The dtype XLA:CPU multiplies block-FP8 values in on this machine: "bfloat16" on a CPU with native bf16
     dot products, else "float32" (without them a bf16 matmul converts to f32 first and is no faster)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return "float32"
-    return "bfloat16" if any(flag in flags for flag in BF16_DOT_FLAGS) else "float32"
+    return "bfloat16" if cpu_flags() & set(BF16_DOT_FLAGS) else "float32"
 
 
 def supports(platform: Platform) -> str | None:
