@@ -3,6 +3,7 @@ that a change to the CPU formulations (or anything else under the model) leaves 
 
     python benchmarks/greedy_outputs.py --out before.json            # on the old commit
     python benchmarks/greedy_outputs.py --compare before.json        # on the new one: exit 1 on a difference
+    python benchmarks/greedy_outputs.py --model DIR --dtype bfloat16 --variant routed_experts=xla_cpu --out a.json
 
 Setups: colocated, colocated with MTP (2 draft tokens), PD (prefill and decode on their own devices) and PD
 with MTP; 8 chat prompts, 48 greedy tokens each, EOS ignored; float32 by default (`--dtype`). A difference is
@@ -27,16 +28,22 @@ SETUPS = {"colocated": {}, "colocated+mtp": {"speculative_config": {"method": "m
                      "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}}}
 
 
-def run(dtype: str, max_tokens: int) -> dict[str, list[list[int]]]:
+def run(dtype: str, max_tokens: int, model: str | None = None, variant: str | None = None,
+        setups: list[str] | None = None) -> dict[str, list[list[int]]]:
     from ernie_jax.sharding.mesh import request_host_devices
     request_host_devices(2)
     from ernie_jax import LLM, SamplingParams
+    from ernie_jax.assets import EMBEDDED_MODEL_DIR
+    from ernie_jax.bench.step_profile import _variant_model
+    from ernie_jax.tokenizer import Tokenizer
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    tokenizer = Tokenizer.from_pretrained(model if model and os.path.isdir(model) else EMBEDDED_MODEL_DIR)
+    prompts = [{"prompt_token_ids": tokenizer.encode_chat([{"role": "user", "content": p}])} for p in PROMPTS]
     out = {}
-    for name, settings in SETUPS.items():
-        llm = LLM(None, dtype=dtype, max_num_seqs=8, max_model_len=256, background_compile=False, **settings)
-        chats = [[{"role": "user", "content": p}] for p in PROMPTS]
-        out[name] = [list(r.outputs[0].token_ids) for r in llm.chat(chats, sp)]
+    for name in setups or SETUPS:
+        llm = LLM(model if variant is None else _variant_model(model, dtype, variant), dtype=dtype, max_num_seqs=8,
+                  max_model_len=256, background_compile=False, **SETUPS[name])
+        out[name] = [list(r.outputs[0].token_ids) for r in llm.generate(prompts, sp)]
         print(f"{name}: {sum(map(len, out[name]))} tokens", flush=True)
     return out
 
@@ -47,8 +54,16 @@ def main() -> int:
     ap.add_argument("--compare", help="compare with the outputs saved here")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--model", help="a checkpoint folder or preset (default: the embedded model)")
+    ap.add_argument("--variant", help="an execution config, as bench step-profile's --variant (FIELD=VALUE,...)")
+    ap.add_argument("--setups", help=f"comma-separated, of {','.join(SETUPS)} (default: all; the MTP ones need "
+                    "the model's MTP block)")
     args = ap.parse_args()
-    got = {"dtype": args.dtype, "max_tokens": args.max_tokens, "outputs": run(args.dtype, args.max_tokens)}
+    setups = args.setups.split(",") if args.setups else None
+    if unknown := set(setups or ()) - set(SETUPS):
+        raise SystemExit(f"--setups: unknown {sorted(unknown)}; expected of {list(SETUPS)}")
+    got = {"dtype": args.dtype, "max_tokens": args.max_tokens,
+           "outputs": run(args.dtype, args.max_tokens, args.model, args.variant, setups)}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(got, f)
@@ -60,6 +75,8 @@ def main() -> int:
         raise SystemExit(f"{args.compare} holds {want['dtype']} outputs of {want['max_tokens']} tokens; "
                          f"run with --dtype {want['dtype']} --max-tokens {want['max_tokens']}")
     differ = 0
+    if set(want["outputs"]) != set(got["outputs"]):
+        raise SystemExit(f"{args.compare} holds the setups {sorted(want['outputs'])}; this run {sorted(got['outputs'])}")
     for setup, rows in want["outputs"].items():
         for i, (a, b) in enumerate(zip(rows, got["outputs"][setup])):
             if a != b:

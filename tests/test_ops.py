@@ -407,11 +407,13 @@ def test_sharded_fp8_linears_run_the_kernel_per_device(monkeypatch):
 def test_execution_config_choice_per_platform():
     """Each op takes its first supported implementation and says why it passed over the others: an A100 (8.0)
     has no FP8 MMA, so it keeps the FP8 matmuls on XLA and runs the attention kernel."""
+    from ernie_jax.ops import cpu_kernels
     from ernie_jax.ops.block_fp8_matmul.xla_cpu import supports
     cpu = ExecutionConfig.select(Platform("cpu"))
     fp8 = "xla_cpu" if supports(Platform("cpu")) is None else "xla"  # where the CPU has bf16 dot products
+    experts = "cpu_matvec" if cpu_kernels.unavailable("expert_matvec") is None else "xla_cpu"  # a C++ compiler
     assert (cpu.block_fp8_matmul, cpu.paged_attention, cpu.routed_experts, cpu.ep_dispatch) == \
-        (fp8, "xla_cpu", "xla_cpu", "replicated") and cpu.kv_bf16_bits
+        (fp8, "xla_cpu", experts, "replicated") and cpu.kv_bf16_bits
     a100 = ExecutionConfig.select(Platform("gpu", (8, 0)))
     assert (a100.block_fp8_matmul, a100.grouped_fp8_matmul, a100.paged_attention, a100.routed_experts) == \
         ("xla", "xla", PALLAS, "ragged")

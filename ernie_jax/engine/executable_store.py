@@ -72,8 +72,9 @@ def _module_file(root: pathlib.Path, module: str) -> pathlib.Path | None:
 
 def traced_sources() -> list[pathlib.Path]:
     """The package's source files a step program is traced from: the step functions and every ernie_jax module
-    they import, transitively (read from the import statements). Edits elsewhere (the server, the router,
-    benchmarks) leave the stored programs valid."""
+    they import, transitively (read from the import statements), and the C++ kernel sources beside them (a
+    program calls a compiled CPU kernel by name). Edits elsewhere (the server, the router, benchmarks) leave
+    the stored programs valid."""
     root = pathlib.Path(__file__).resolve().parents[1]
     todo, seen = [ROOT_MODULE], {}
     while todo:
@@ -88,7 +89,7 @@ def traced_sources() -> list[pathlib.Path]:
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ernie_jax"):
                 todo.append(node.module)  # and its names, where they are submodules
                 todo += [f"{node.module}.{a.name}" for a in node.names]
-    return sorted(set(seen.values()))
+    return sorted(set(seen.values()) | {cc for path in seen.values() for cc in path.parent.glob("*.cc")})
 
 
 _hash_lock = threading.Lock()  # compile threads ask at once; ast.parse is not safe across threads in 3.11

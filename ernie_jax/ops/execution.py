@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ernie_jax.ops import (block_fp8_matmul, grouped_fp8_matmul, grouped_int_matmul, int_weight_matmul, paged_attention,
+from ernie_jax.ops import (block_fp8_matmul, cpu_kernels, grouped_fp8_matmul, grouped_int_matmul, int_weight_matmul, paged_attention,
                            routed_experts)
 from ernie_jax.ops.base import Op, Platform
 from ernie_jax.ops.dense import Matmuls
@@ -41,6 +41,7 @@ class ExecutionConfig:
     expert_tile_rows: int = 256
     sorted_tile_rows: int = 128
     expert_capacity_midpoints: bool = True  # ops/routed_experts/capacity.expert_capacities
+    expert_matvec_max_tokens: int = 64  # ops/routed_experts: the most tokens cpu_matvec's kernel takes
     attention_block_slots: int = 64  # key slots per step of the XLA paged-attention loop
     passed_over: tuple[tuple[str, str, str], ...] = ()  # (op, implementation, why) for the report
 
@@ -51,6 +52,9 @@ class ExecutionConfig:
             raise ValueError(f"ep_dispatch={self.ep_dispatch!r}: expected one of {EP_DISPATCHES}")
         for name, op in OPS.items():
             op.get(getattr(self, name))  # an unknown implementation name fails here, naming the op
+        if self.routed_experts == "cpu_matvec":
+            # registered before any program that calls it is traced or loaded from the executable store
+            cpu_kernels.require("expert_matvec")
 
     @classmethod
     def select(cls, platform: Platform, kernels: str = "auto", **overrides) -> "ExecutionConfig":
@@ -95,7 +99,8 @@ class ExecutionConfig:
 
     @property
     def expert_options(self) -> ExpertOptions:
-        return ExpertOptions(self.matmuls, self.expert_tile_rows, self.sorted_tile_rows, self.expert_capacity_midpoints)
+        return ExpertOptions(self.matmuls, self.expert_tile_rows, self.sorted_tile_rows, self.expert_capacity_midpoints,
+                             self.expert_matvec_max_tokens)
 
     def fall_back(self, op: str, why: str) -> "ExecutionConfig":
         """This config with `op` moved past its current implementation (a failed self-check)."""

@@ -5,8 +5,9 @@ BlockFP8, or tuples of consecutive expert groups) -> [T,H]. With every expert lo
 routed output; under expert parallelism each device adds its own experts' share. Dropless: every
 assignment to a local expert is computed, whatever the load.
 
-Implementations, preferred first: "xla_cpu" (capacity.py at decode sizes, tiled.py at prefill sizes;
-XLA:CPU only), "ragged" (the reference, ragged.py: grouped matmuls whose cost follows the routed rows).
+Implementations, preferred first: "cpu_matvec" (matvec.py: bf16 experts at decode sizes through a compiled
+CPU kernel, else as "xla_cpu"; XLA:CPU where the kernel builds), "xla_cpu" (capacity.py at decode sizes,
+tiled.py at prefill sizes; XLA:CPU only), "ragged" (the reference, ragged.py: grouped matmuls whose cost follows the routed rows).
 "capacity", "tiled" and "sorted_tiles" (differentiable: training) are chosen only by name.
 """
 
@@ -14,9 +15,11 @@ from __future__ import annotations
 
 import jax
 
-from ernie_jax.ops.base import Implementation, Op, only_on
+from ernie_jax.ops import cpu_kernels
+from ernie_jax.ops.base import Implementation, Op, Platform, only_on
 from ernie_jax.ops.routed_experts.capacity import capacity_experts, expert_capacities
 from ernie_jax.ops.routed_experts.common import ExpertOptions, expert_groups, num_local
+from ernie_jax.ops.routed_experts.matvec import matvec_experts, takes
 from ernie_jax.ops.routed_experts.ragged import grouped_swiglu, ragged_experts
 from ernie_jax.ops.routed_experts.routing import route, sort_by_expert, to_slots
 from ernie_jax.ops.routed_experts.sorted_tiles import sorted_tile_experts
@@ -34,7 +37,22 @@ def xla_cpu_experts(x, weights, ids, up_gate, down, num_experts, first_expert, b
     return impl(x, weights, ids, up_gate, down, num_experts, first_expert, batch_invariant, opts)
 
 
+def cpu_matvec_experts(x, weights, ids, up_gate, down, num_experts, first_expert, batch_invariant, opts):
+    """The expert_matvec kernel for bf16 experts and at most opts.matvec_max_tokens tokens; otherwise (block-FP8
+    or f32 experts, prefill sizes) the xla_cpu forms."""
+    if takes(x, ids, up_gate, down, opts.matvec_max_tokens):
+        return matvec_experts(x, weights, ids, up_gate, down, first_expert)
+    return xla_cpu_experts(x, weights, ids, up_gate, down, num_experts, first_expert, batch_invariant, opts)
+
+
+def _kernel_builds(platform: Platform) -> str | None:
+    if platform.backend != "cpu":
+        return "a CPU kernel"
+    return cpu_kernels.unavailable("expert_matvec")
+
+
 OP = Op("routed_experts", (
+    Implementation("cpu_matvec", cpu_matvec_experts, _kernel_builds),
     Implementation("xla_cpu", xla_cpu_experts, only_on("cpu", "the capacity and tiled forms are tuned for XLA:CPU")),
     Implementation("ragged", ragged_experts),
     Implementation("capacity", capacity_experts),
