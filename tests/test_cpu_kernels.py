@@ -13,8 +13,9 @@ from ernie_jax.ops.base import Platform
 from ernie_jax.ops.execution import ExecutionConfig
 from ernie_jax.ops.routed_experts import ExpertOptions, routed_experts
 
-needs_kernel = pytest.mark.skipif(cpu_kernels.unavailable("expert_matvec") is not None,
-                                  reason=f"expert_matvec: {cpu_kernels.unavailable('expert_matvec')}")
+# Only a machine without a compiler skips: a kernel that fails to build where one exists fails these tests.
+needs_kernel = pytest.mark.skipif(cpu_kernels.shutil.which(cpu_kernels.compiler()) is None,
+                                  reason=f"no C++ compiler ({cpu_kernels.compiler()})")
 
 
 def _bf16(rng, shape, scale=1.0):
@@ -26,7 +27,7 @@ def _bf16(rng, shape, scale=1.0):
 def test_expert_matvec_matches_numpy(K, N, groups):
     """Every column tile and tail (N = 128 k + 16 j + r), expert groups, an expert chosen by several rows and
     ids outside the experts (another device's: zero rows)."""
-    from ernie_jax.ops.cpu_kernels.expert_matvec import expert_matvec
+    from ernie_jax.ops.cpu_kernels.matvec import expert_matvec
     rng = np.random.default_rng(K + N)
     R, J, per = 5, 3, 2
     w = _bf16(rng, (per * groups, K, N))
@@ -49,7 +50,7 @@ def test_expert_matvec_matches_numpy(K, N, groups):
 
 @needs_kernel
 def test_expert_matvec_names_bad_weights():
-    from ernie_jax.ops.cpu_kernels.expert_matvec import expert_matvec
+    from ernie_jax.ops.cpu_kernels.matvec import expert_matvec
     x, ids = jnp.zeros((2, 8)), jnp.zeros((2, 1), jnp.int32)
     with pytest.raises(ValueError, match="bf16 \\[E_g, K, N\\]"):
         expert_matvec(x, ids, (jnp.zeros((2, 8, 4), jnp.float32),))
@@ -82,13 +83,13 @@ def test_cpu_matvec_experts_match_the_capacity_form(first, local, groups):
 def test_a_machine_without_a_compiler_keeps_the_xla_forms_and_says_why(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "no-such-c++-compiler")
     monkeypatch.setenv("ERNIE_JAX_KERNEL_CACHE", str(tmp_path))
-    why = cpu_kernels._library.__wrapped__("expert_matvec")
+    why = cpu_kernels._library.__wrapped__("matvec")
     assert isinstance(why, str) and "no C++ compiler" in why and "no-such-c++-compiler" in why
     monkeypatch.setattr(cpu_kernels, "unavailable", lambda name: why)
     cpu = ExecutionConfig.select(Platform("cpu"))
     assert cpu.routed_experts == "xla_cpu"
     assert ("routed_experts", "cpu_matvec", why) in cpu.passed_over and "no C++ compiler" in cpu.describe()
-    with pytest.raises(RuntimeError, match="CPU kernel expert_matvec: no C\\+\\+ compiler"):
+    with pytest.raises(RuntimeError, match="CPU kernel matvec: no C\\+\\+ compiler"):
         dataclasses.replace(cpu, routed_experts="cpu_matvec")
 
 
@@ -102,3 +103,46 @@ def test_a_failed_build_is_reported_with_the_compilers_error(monkeypatch, tmp_pa
     why = cpu_kernels._library.__wrapped__("broken")
     assert isinstance(why, str) and why.startswith("building broken.cc with") and "error" in why
     assert not list((tmp_path / "cache").glob("*"))  # no half-built library left behind
+
+
+def _pools(rng, P, page, K, D):
+    from ernie_jax.ops.paged_attention.storage import stored, BF16_BITS
+    return tuple(stored(jnp.asarray(rng.standard_normal((P, page, K, D)), jnp.bfloat16), BF16_BITS) for _ in "kv")
+
+
+@needs_kernel
+@pytest.mark.parametrize("D, block_slots, N", [(64, 8, 4), (128, 64, 8), (32, 20, 2), (24, 64, 4)])
+def test_paged_decode_attention_matches_the_xla_forms(D, block_slots, N):
+    """Rows in several blocks of the online softmax, one at a block boundary, a padding row (position -1: zeros),
+    GQA (one to four query heads a KV head), pages scattered over the pool, a block that is not a multiple of
+    16 slots; a head dim the kernel does not take (24) runs the xla_cpu form."""
+    from ernie_jax.ops.paged_attention import paged_attention
+    rng = np.random.default_rng(D)
+    B, K, page, P, n = 5, 2, 4, 40, 8
+    k_pool, v_pool = _pools(rng, P, page, K, D)
+    q = jnp.asarray(rng.standard_normal((B, 1, N, D)), jnp.bfloat16)
+    tables = jnp.asarray(rng.permutation(P)[:B * n].reshape(B, n), jnp.int32)
+    positions = jnp.asarray([[0], [7], [8], [31], [-1]], jnp.int32)
+    run = lambda impl: np.asarray(jax.jit(lambda *a: paged_attention(  # noqa: E731
+        *a, implementation=impl, block_slots=block_slots))(q, k_pool, v_pool, None, None, tables, positions), np.float32)
+    kernel, form, reference = run("cpu_decode"), run("xla_cpu"), run("xla")
+    np.testing.assert_allclose(kernel, reference, atol=1e-2, rtol=1e-2)
+    np.testing.assert_allclose(kernel, form, atol=1e-2, rtol=1e-2)
+    if D == 24:
+        np.testing.assert_array_equal(kernel, form)
+    assert not kernel[4].any()  # the padding row
+    # a row's result does not depend on the others
+    alone = np.asarray(jax.jit(lambda *a: paged_attention(*a, implementation="cpu_decode", block_slots=block_slots))(
+        q[3:4], k_pool, v_pool, None, None, tables[3:4], positions[3:4]), np.float32)
+    np.testing.assert_array_equal(alone, kernel[3:4])
+
+
+@needs_kernel
+def test_paged_decode_attention_names_a_page_outside_the_pool():
+    from ernie_jax.ops.cpu_kernels.attention import paged_decode_attention
+    rng = np.random.default_rng(0)
+    k_pool, v_pool = _pools(rng, 4, 4, 1, 16)
+    q = jnp.zeros((1, 1, 1, 16), jnp.float32)
+    with pytest.raises(Exception, match="row 0's block table names page 9, outside the pool of 4"):
+        jax.block_until_ready(paged_decode_attention(q, k_pool, v_pool, jnp.asarray([[1, 9]], jnp.int32),
+                                                     jnp.asarray([[5]], jnp.int32), 64))

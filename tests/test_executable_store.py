@@ -83,7 +83,7 @@ def test_keys_follow_shapes_shardings_and_the_source(monkeypatch):
 def test_the_source_hash_covers_what_programs_are_traced_from_and_not_the_server():
     names = {str(p).split("ernie_jax/", 1)[1] for p in executable_store.traced_sources()}
     assert {"engine/step_functions.py", "model/forward.py", "ops/routed_experts/capacity.py", "quant/block_fp8.py",
-            "sampling.py", "sharding/fused.py", "ops/cpu_kernels/expert_matvec.cc"} <= names
+            "sampling.py", "sharding/fused.py", "ops/cpu_kernels/matvec.cc"} <= names
     assert not names & {"serve/api.py", "router/routing.py", "engine/scheduler.py", "llm.py"}
 
 

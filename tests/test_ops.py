@@ -411,9 +411,10 @@ def test_execution_config_choice_per_platform():
     from ernie_jax.ops.block_fp8_matmul.xla_cpu import supports
     cpu = ExecutionConfig.select(Platform("cpu"))
     fp8 = "xla_cpu" if supports(Platform("cpu")) is None else "xla"  # where the CPU has bf16 dot products
-    experts = "cpu_matvec" if cpu_kernels.unavailable("expert_matvec") is None else "xla_cpu"  # a C++ compiler
-    assert (cpu.block_fp8_matmul, cpu.paged_attention, cpu.routed_experts, cpu.ep_dispatch) == \
-        (fp8, "xla_cpu", experts, "replicated") and cpu.kv_bf16_bits
+    built = cpu_kernels.unavailable("matvec") is None and cpu_kernels.unavailable("paged_attention") is None
+    want = ("cpu_decode", "cpu_matvec", "cpu_matvec") if built else ("xla_cpu", "xla_cpu", "xla")  # a C++ compiler
+    assert (cpu.block_fp8_matmul, cpu.paged_attention, cpu.routed_experts, cpu.dense_matmul, cpu.ep_dispatch) == \
+        (fp8, *want, "replicated") and cpu.kv_bf16_bits
     a100 = ExecutionConfig.select(Platform("gpu", (8, 0)))
     assert (a100.block_fp8_matmul, a100.grouped_fp8_matmul, a100.paged_attention, a100.routed_experts) == \
         ("xla", "xla", PALLAS, "ragged")

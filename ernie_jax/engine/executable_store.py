@@ -89,7 +89,8 @@ def traced_sources() -> list[pathlib.Path]:
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ernie_jax"):
                 todo.append(node.module)  # and its names, where they are submodules
                 todo += [f"{node.module}.{a.name}" for a in node.names]
-    return sorted(set(seen.values()) | {cc for path in seen.values() for cc in path.parent.glob("*.cc")})
+    kernels = {src for path in seen.values() for pattern in ("*.cc", "*.h") for src in path.parent.glob(pattern)}
+    return sorted(set(seen.values()) | kernels)
 
 
 _hash_lock = threading.Lock()  # compile threads ask at once; ast.parse is not safe across threads in 3.11

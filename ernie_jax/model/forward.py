@@ -17,6 +17,7 @@ from jax import lax
 from ernie_jax.config import ErnieConfig
 from ernie_jax.model import kv_cache as kvc
 from ernie_jax.model.layers import attention, linear, moe, paged_attention, rms_norm, rope, rope_table, swiglu
+from ernie_jax.ops.dense_matmul import dense_matmul
 from ernie_jax.ops.execution import REFERENCE, ExecutionConfig
 from ernie_jax.ops.layer_loop import run_layers
 from ernie_jax.sharding.fused import fused_groups, fused_parts, split_fused
@@ -99,11 +100,13 @@ def _segment_layer(carry, w, layer, positions, rotary, block_tables, *, kind, cf
     return (h, seg_cache), ids
 
 
-def lm_head(weights, h: jax.Array) -> jax.Array:
+def lm_head(weights, h: jax.Array, ex: ExecutionConfig = REFERENCE, plan: ShardingPlan | None = None) -> jax.Array:
+    """f32 logits; a tied head multiplies by the embedding [V, H] transposed. Under a mesh the reference einsum,
+    which GSPMD partitions."""
+    mm = ex.matmuls if plan is None else REFERENCE.matmuls
     if "lm_head" in weights and weights["lm_head"] is not None:
-        return jnp.einsum("...h,hv->...v", h, weights["lm_head"].astype(h.dtype),
-                          preferred_element_type=jnp.float32)
-    return jnp.einsum("...h,vh->...v", h, weights["embed"].astype(h.dtype), preferred_element_type=jnp.float32)
+        return dense_matmul(h, weights["lm_head"], implementation=mm.dense, max_rows=mm.matvec_max_rows)
+    return dense_matmul(h, weights["embed"], transposed=True, implementation=mm.dense, max_rows=mm.matvec_max_rows)
 
 
 def forward(weights: dict[str, Any], cfg: ErnieConfig, input_ids: jax.Array, positions: jax.Array | None = None,
@@ -138,7 +141,7 @@ def forward(weights: dict[str, Any], cfg: ErnieConfig, input_ids: jax.Array, pos
             expert_ids.append(ids)
     hidden = rms_norm(h, weights["final_norm"], cfg.rms_norm_eps)
     head_in = hidden if logit_positions is None else hidden[jnp.arange(B), logit_positions]
-    logits = lm_head(weights, head_in)
+    logits = lm_head(weights, head_in, ex, plan)
     if cache is not None:  # segments past the decoder's (the MTP block's) pass through
         new_segments += [cache.segment(s) for s in range(len(new_segments), cache.num_segments)]
     new_cache = None if cache is None else kvc.KVCache.from_segments(new_segments)
@@ -170,7 +173,7 @@ def mtp_forward(weights: dict[str, Any], cfg: ErnieConfig, next_ids: jax.Array, 
     `plan`: the plan the weights were placed by (None: unsharded).
     """
     states, _ = _mtp_states(weights, cfg, next_ids, hidden, positions, plan=plan, ex=ex)
-    return lm_head(weights, states)
+    return lm_head(weights, states, ex, plan)
 
 
 def mtp_draft(weights: dict[str, Any], cfg: ErnieConfig, next_ids: jax.Array, hidden: jax.Array,
@@ -192,7 +195,7 @@ def mtp_draft(weights: dict[str, Any], cfg: ErnieConfig, next_ids: jax.Array, hi
     for i in range(steps):
         if i:
             state, seg = _mtp_states(weights, cfg, drafts[-1][:, None], state, position, seg, block_tables, plan, ex)
-        drafts.append(jnp.argmax(lm_head(weights, state[:, 0]), axis=-1).astype(jnp.int32))
+        drafts.append(jnp.argmax(lm_head(weights, state[:, 0], ex, plan), axis=-1).astype(jnp.int32))
         position = position + 1
     segments = [cache.segment(i) for i in range(s)] + [seg]
     return jnp.stack(drafts, axis=1), kvc.KVCache.from_segments(segments)

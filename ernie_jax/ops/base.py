@@ -42,11 +42,13 @@ class Platform:
 @dataclasses.dataclass(frozen=True)
 class Implementation:
     """One way to compute an op. `supports(platform)` -> None, or why this implementation cannot run there.
-    kernel: a Pallas kernel (self-checked at start-up; excluded by `--kernels xla`)."""
+    kernel: a Pallas kernel (self-checked at start-up; excluded by `--kernels xla`). library: the compiled CPU
+    kernel library it calls (ops/cpu_kernels), registered whenever an execution config names it."""
     name: str
     fn: Callable
     supports: Callable[[Platform], str | None] = lambda platform: None
     kernel: bool = False
+    library: str | None = None
 
 
 class Op:

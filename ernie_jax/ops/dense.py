@@ -3,7 +3,8 @@
 A plain weight multiplies in the activation dtype with f32 accumulation; a block-FP8 weight (quant.BlockFP8)
 runs its own compute mode: "w8a8" through the block_fp8_matmul op (the implementation the execution config
 chose), "weight_only" through quant.fp8_linear; an integer weight (quant.IntWeight: wint8, wint4, w4a8) through
-the int_weight_matmul op. Weights are in the Paddle [in, out] orientation.
+the int_weight_matmul op; a plain one through the dense_matmul op. Weights are in the Paddle [in, out]
+orientation.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 
 from ernie_jax.ops.base import Platform
 from ernie_jax.ops.block_fp8_matmul import block_fp8_matmul
+from ernie_jax.ops.dense_matmul import dense_matmul
 from ernie_jax.ops.int_weight_matmul import int_weight_matmul
 from ernie_jax.quant import BlockFP8, IntWeight, fp8_linear, int_linear
 
@@ -26,6 +28,8 @@ class Matmuls(NamedTuple):
     platform: Platform | None = None
     int_weight: str = "xla"
     grouped_int: str = "xla"
+    dense: str = "xla"
+    matvec_max_rows: int = 4  # the most rows dense="cpu_matvec" gives its kernel
 
 
 def linear(x: jax.Array, w, mm: Matmuls = Matmuls()) -> jax.Array:
@@ -41,7 +45,7 @@ def linear(x: jax.Array, w, mm: Matmuls = Matmuls()) -> jax.Array:
             y = int_weight_matmul(x.reshape(-1, x.shape[-1]), w, implementation=mm.int_weight, platform=mm.platform)
             return y.reshape(*x.shape[:-1], y.shape[-1])
         return int_linear(x, w)
-    return jnp.einsum("...i,io->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+    return dense_matmul(x, w, implementation=mm.dense, max_rows=mm.matvec_max_rows).astype(x.dtype)
 
 
 def silu_mul(gate: jax.Array, up: jax.Array) -> jax.Array:

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from ernie_jax.ops import (block_fp8_matmul, cpu_kernels, grouped_fp8_matmul, grouped_int_matmul, int_weight_matmul, paged_attention,
+from ernie_jax.ops import (block_fp8_matmul, cpu_kernels, dense_matmul, grouped_fp8_matmul, grouped_int_matmul, int_weight_matmul, paged_attention,
                            routed_experts)
 from ernie_jax.ops.base import Op, Platform
 from ernie_jax.ops.dense import Matmuls
 from ernie_jax.ops.routed_experts.common import ExpertOptions
 
 OPS: dict[str, Op] = {op.name: op for op in (block_fp8_matmul.OP, grouped_fp8_matmul.OP, int_weight_matmul.OP,
-                                             grouped_int_matmul.OP, paged_attention.OP, routed_experts.OP)}
+                                             grouped_int_matmul.OP, paged_attention.OP, routed_experts.OP,
+                                             dense_matmul.OP)}
 KERNEL_MODES = ("auto", "pallas", "xla")
 EP_DISPATCHES = ("replicated", "all_to_all")
 
@@ -34,6 +35,7 @@ class ExecutionConfig:
     grouped_int_matmul: str = "xla"
     paged_attention: str = "xla"
     routed_experts: str = "ragged"
+    dense_matmul: str = "xla"
     # Expert parallelism: "all_to_all" sends each assignment to its expert's device (its cost follows the
     # routing); "replicated" computes every token's assignments to local experts and psums (no all-to-all:
     # XLA:CPU has no ragged all-to-all, and there it is the cheaper one).
@@ -42,6 +44,7 @@ class ExecutionConfig:
     sorted_tile_rows: int = 128
     expert_capacity_midpoints: bool = True  # ops/routed_experts/capacity.expert_capacities
     expert_matvec_max_tokens: int = 64  # ops/routed_experts: the most tokens cpu_matvec's kernel takes
+    matvec_max_rows: int = 4  # ops/dense_matmul: the most rows cpu_matvec's kernel takes
     attention_block_slots: int = 64  # key slots per step of the XLA paged-attention loop
     passed_over: tuple[tuple[str, str, str], ...] = ()  # (op, implementation, why) for the report
 
@@ -51,10 +54,9 @@ class ExecutionConfig:
         if self.ep_dispatch not in EP_DISPATCHES:
             raise ValueError(f"ep_dispatch={self.ep_dispatch!r}: expected one of {EP_DISPATCHES}")
         for name, op in OPS.items():
-            op.get(getattr(self, name))  # an unknown implementation name fails here, naming the op
-        if self.routed_experts == "cpu_matvec":
-            # registered before any program that calls it is traced or loaded from the executable store
-            cpu_kernels.require("expert_matvec")
+            library = op.get(getattr(self, name)).library  # an unknown implementation name fails here
+            if library:  # registered before any program that calls it is traced or loaded from the store
+                cpu_kernels.require(library)
 
     @classmethod
     def select(cls, platform: Platform, kernels: str = "auto", **overrides) -> "ExecutionConfig":
@@ -95,7 +97,7 @@ class ExecutionConfig:
     @property
     def matmuls(self) -> Matmuls:
         return Matmuls(self.block_fp8_matmul, self.grouped_fp8_matmul, self.platform, self.int_weight_matmul,
-                       self.grouped_int_matmul)
+                       self.grouped_int_matmul, self.dense_matmul, self.matvec_max_rows)
 
     @property
     def expert_options(self) -> ExpertOptions:

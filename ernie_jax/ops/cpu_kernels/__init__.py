@@ -1,13 +1,16 @@
 """Compiled CPU kernels: C++ sources beside this file, built with the machine's C++ compiler on first use and
 called from XLA:CPU programs through jax.ffi.
 
-XLA:CPU runs a matmul with a few rows through a library GEMM that repacks the weights on every call, and
-computes a mixture of experts at a common row capacity for every expert; a decode step of a small model is
-mostly that (benchmarks/RESULTS.md, "Compiled CPU kernels"). `expert_matvec.cc` reads only the chosen
-experts' weights, once per step, as a streaming matrix-vector product.
+A decode step of a small model on XLA:CPU is mostly overhead around little arithmetic (benchmarks/RESULTS.md,
+"Compiled CPU kernels"): a matmul with a few rows runs through a library GEMM that repacks its weights on
+every call, a mixture of experts is computed for every expert at a common row capacity, and paged attention
+gathers every block of key slots into new arrays and runs a dozen small operations on each. `matvec.cc`
+reads only the chosen experts' weights, once per step, as a streaming matrix-vector product (and a few rows
+against a dense weight the same way); `paged_attention.cc` reads each sequence's slots in place, once.
+`common.h` holds what they share.
 
-A source is compiled once per machine into a cache (`$ERNIE_JAX_KERNEL_CACHE`, default
-`~/.cache/ernie_jax/cpu_kernels`), named by a hash of the source, the compiler's version, the jaxlib headers
+A source (with common.h) is compiled once per machine into a cache (`$ERNIE_JAX_KERNEL_CACHE`, default
+`~/.cache/ernie_jax/cpu_kernels`), named by a hash of the sources, the compiler's version, the jaxlib headers
 and this CPU's flags (`-march=native`: a library built for one CPU is never loaded on another), written to
 a temporary file and renamed, so concurrent processes never see half a library. `unavailable()` says why a
 kernel cannot be used here (no compiler, a failed build), and the execution config then keeps the XLA
@@ -28,13 +31,15 @@ import tempfile
 
 import jax
 
+from ernie_jax.ops.base import Platform
 from ernie_jax.ops.block_fp8_matmul.xla_cpu import cpu_flags
 
 log = logging.getLogger("ernie_jax.ops")
 
 SOURCE_DIR = pathlib.Path(__file__).parent
 # kernel library -> the jax.ffi targets it defines (target name = handler symbol)
-TARGETS = {"expert_matvec": ("ErnieJaxExpertMatvec",)}
+TARGETS = {"matvec": ("ErnieJaxExpertMatvec", "ErnieJaxMatvecT"),
+           "paged_attention": ("ErnieJaxPagedDecodeAttention",)}
 
 
 def compiler() -> str:
@@ -47,7 +52,7 @@ def cache_dir() -> pathlib.Path:
 
 def _command(source: pathlib.Path, output: str) -> list[str]:
     return [compiler(), "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w",
-            f"-I{jax.ffi.include_dir()}", str(source), "-o", output]
+            f"-I{jax.ffi.include_dir()}", f"-I{SOURCE_DIR}", str(source), "-o", output]
 
 
 @functools.cache
@@ -62,7 +67,8 @@ def _library(name: str) -> ctypes.CDLL | str:
     except (OSError, subprocess.SubprocessError) as e:
         return f"the C++ compiler {cxx} does not run: {e}"
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), version.encode(), jax.ffi.include_dir().encode(), jax.__version__.encode(),
+    headers = [h.read_bytes() for h in sorted(SOURCE_DIR.glob("*.h"))]
+    for part in (source.read_bytes(), *headers, version.encode(), jax.ffi.include_dir().encode(), jax.__version__.encode(),
                  " ".join(sorted(cpu_flags())).encode(), " ".join(_command(source, "")).encode()):
         digest.update(part)
     path = cache_dir() / f"{name}-{digest.hexdigest()[:16]}.so"
@@ -102,3 +108,12 @@ def require(name: str) -> None:
     why = unavailable(name)
     if why:
         raise RuntimeError(f"CPU kernel {name}: {why}")
+
+
+def supports(library: str):
+    """An Implementation's supports() for one that calls `library`: XLA:CPU, where the library builds."""
+    def check(platform: Platform) -> str | None:
+        if platform.backend != "cpu":
+            return f"a CPU kernel (backend is {platform.backend})"
+        return unavailable(library)
+    return check

@@ -2,7 +2,10 @@
 
 q [B,T,N,D] at positions [B,T] (-1: padding); k_pool, v_pool [P,page,K,D] (bf16, its uint16 bits
 (storage.py), or fp8 with scales [P,page,K]); tables [B,n] -> [B,T,N*D] in q's dtype. Implementations,
-preferred first: the Pallas-Triton kernel (GPU), the XLA:CPU block-diagonal decode form (xla_cpu.py), the
+preferred first: the Pallas-Triton kernel (GPU), a compiled CPU kernel for decode over bf16 pools
+(ops/cpu_kernels/paged_attention.cc, head dims 16-128; other shapes and pools as xla_cpu), the XLA:CPU
+block-diagonal decode
+form (xla_cpu.py), the
 XLA reference (reference.py: blocked online softmax, slots grouped by KV head). A padding position's
 output is 0 in every implementation (it sees no key; left alone, each form would average whatever its
 masked blocks held, and the kernel's self-check would compare two arbitrary rows: it failed on the H200).
@@ -16,6 +19,7 @@ from typing import Callable
 
 import jax.numpy as jnp
 
+from ernie_jax.ops import cpu_kernels
 from ernie_jax.ops.base import Implementation, Op, Platform, interpret, kernel_platform, note_fallback, only_on
 from ernie_jax.ops.paged_attention.pallas_triton import paged_attention_pallas
 from ernie_jax.ops.paged_attention.reference import blocked_attention
@@ -40,12 +44,23 @@ def _xla_cpu(*args, block_slots, constrain, platform):
     return _zero_padding(paged_attention_xla_cpu(*args, block_slots=block_slots, constrain=constrain), args[-1])
 
 
+def _cpu_decode(q, k_pool, v_pool, k_scale, v_scale, tables, positions, *, block_slots, constrain, platform):
+    if (q.shape[1] == 1 and q.shape[3] in (16, 32, 64, 128) and k_pool.dtype == jnp.dtype(BF16_BITS) and k_scale is None
+            and block_slots is not None):
+        from ernie_jax.ops.cpu_kernels.attention import paged_decode_attention
+        out = paged_decode_attention(q, k_pool, v_pool, tables, positions, block_slots).astype(q.dtype)
+        return _zero_padding(out, positions)
+    return _xla_cpu(q, k_pool, v_pool, k_scale, v_scale, tables, positions, block_slots=block_slots,
+                    constrain=constrain, platform=platform)
+
+
 def _reference(*args, block_slots, constrain, platform):
     return _zero_padding(blocked_attention(*args, block_slots=block_slots, constrain=constrain), args[-1])
 
 
 OP = Op("paged_attention", (
     Implementation("pallas_triton", _pallas, kernel_platform(need_fp8_mma=False), kernel=True),
+    Implementation("cpu_decode", _cpu_decode, cpu_kernels.supports("paged_attention"), library="paged_attention"),
     Implementation("xla_cpu", _xla_cpu, only_on("cpu", "the block-diagonal decode form is tuned for XLA:CPU")),
     Implementation("xla", _reference),
 ))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 
 from ernie_jax.ops import cpu_kernels
-from ernie_jax.ops.base import Implementation, Op, Platform, only_on
+from ernie_jax.ops.base import Implementation, Op, only_on
 from ernie_jax.ops.routed_experts.capacity import capacity_experts, expert_capacities
 from ernie_jax.ops.routed_experts.common import ExpertOptions, expert_groups, num_local
 from ernie_jax.ops.routed_experts.matvec import matvec_experts, takes
@@ -45,14 +45,8 @@ def cpu_matvec_experts(x, weights, ids, up_gate, down, num_experts, first_expert
     return xla_cpu_experts(x, weights, ids, up_gate, down, num_experts, first_expert, batch_invariant, opts)
 
 
-def _kernel_builds(platform: Platform) -> str | None:
-    if platform.backend != "cpu":
-        return "a CPU kernel"
-    return cpu_kernels.unavailable("expert_matvec")
-
-
 OP = Op("routed_experts", (
-    Implementation("cpu_matvec", cpu_matvec_experts, _kernel_builds),
+    Implementation("cpu_matvec", cpu_matvec_experts, cpu_kernels.supports("matvec"), library="matvec"),
     Implementation("xla_cpu", xla_cpu_experts, only_on("cpu", "the capacity and tiled forms are tuned for XLA:CPU")),
     Implementation("ragged", ragged_experts),
     Implementation("capacity", capacity_experts),

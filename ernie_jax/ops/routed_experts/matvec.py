@@ -1,4 +1,4 @@
-"""Routed experts at decode sizes through the expert_matvec CPU kernel (ops/cpu_kernels): bf16 experts only.
+"""Routed experts at decode sizes through the expert_matvec CPU kernel (ops/cpu_kernels/matvec): bf16 experts only.
 
 Each assignment's row is multiplied by its own expert's weights, read once per step for all the rows that
 chose it; experts no token chose are not read. Numerics are the capacity form's (bf16 products summed in
@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ernie_jax.ops.cpu_kernels.expert_matvec import expert_matvec
+from ernie_jax.ops.cpu_kernels.matvec import expert_matvec
 from ernie_jax.ops.dense import silu_mul
 from ernie_jax.ops.routed_experts.common import combine, expert_groups
 

@@ -1,47 +1,24 @@
-// Few-row matmuls against selected experts' bf16 weights, for XLA:CPU through jax.ffi.
+// Matmuls with a few rows against bf16 weights, for XLA:CPU through jax.ffi (ops/cpu_kernels/matvec.py).
 //
-//   y[r, j, :] = x[r, :] @ w[ids[r, j]]     x [R, K] f32, ids [R, J] s32, w: groups [E_g, K, N] bf16
+// ErnieJaxExpertMatvec: y[r, j, :] = x[r, :] @ w[ids[r, j]]   x [R, K] f32, ids [R, J] s32, w: groups [E_g, K, N]
+//   The experts are numbered across the weight groups in order (model.weights.cpu_layout splits an expert
+//   stack into consecutive groups); an id outside [0, E) gives a zero row (another device's expert). Each
+//   expert's weights are read once for all the rows that chose it, and only chosen experts are read:
+//   XLA:CPU's batched matmul computes every expert at a common row capacity and repacks its weights on
+//   every call. A plain [K, N] weight is one expert.
+// ErnieJaxMatvecT: y[r, n] = x[r, :] . w[n, :]   x [R, K] f32, w [N, K] (a tied LM head: the embedding)
 //
-// The experts are numbered across the weight groups in order (model.weights.cpu_layout splits an expert
-// stack into consecutive groups); an id outside [0, E) gives a zero row (another device's expert).
-// Each expert's weights are read once for all the rows that chose it, and only chosen experts are read:
-// XLA:CPU's batched matmul would compute every expert at a common row capacity and repack its weights on
-// every call. Every output element is one f32 sum over k in order (bf16 products are exact in f32), so a
+// Every output element is one f32 sum (bf16 products are exact in f32) in an order fixed by K alone, so a
 // row's result does not depend on the other rows, on how many threads ran or on how the work was split.
-#include <algorithm>
-#include <atomic>
-#include <cstdint>
-#include <cstring>
-#include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
-#include "xla/ffi/api/ffi.h"
+#include "common.h"
 
 namespace ffi = xla::ffi;
+using namespace ernie_jax;
 
 namespace {
-
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-
-inline f32x16 widen(const uint16_t* p) {  // 16 bf16 -> f32 (exact: the bf16 bits are the f32's top half)
-  u16x16 h;
-  std::memcpy(&h, p, sizeof h);
-  u32x16 u = __builtin_convertvector(h, u32x16) << 16;
-  f32x16 f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline float widen1(uint16_t b) {
-  uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
 
 // A rows x (16 V) columns of y from rows x[a] and weight columns [n, n + 16 V): registers hold the
 // accumulators, and every k reads 32 V contiguous bytes of the weight.
@@ -83,7 +60,6 @@ struct Step {
   std::vector<std::vector<int32_t>> rows;  // per expert: the (r * J + j) it computes
   std::vector<std::pair<int32_t, int64_t>> units;  // (expert, first column)
   int64_t chunk;
-  std::atomic<int64_t> next{0}, done{0};
 
   void run(const std::pair<int32_t, int64_t>& unit) const {
     const auto& mine = rows[unit.first];
@@ -103,14 +79,6 @@ struct Step {
       }
     }
   }
-
-  void drain() {  // claim units until none are left; a late helper thread finds none and returns
-    const int64_t n = units.size();
-    for (int64_t i; (i = next.fetch_add(1)) < n;) {
-      run(units[i]);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
 };
 
 ffi::Error ExpertMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
@@ -119,7 +87,7 @@ ffi::Error ExpertMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   if (xd.size() != 2 || id.size() != 2 || id[0] != xd[0]) {
     return ffi::Error::InvalidArgument("expert_matvec: x must be [R, K] and ids [R, J]");
   }
-  auto step = std::make_shared<Step>();
+  auto step = std::make_unique<Step>();
   step->x = x.typed_data();
   step->y = y->typed_data();
   step->J = id[1];
@@ -149,17 +117,62 @@ ffi::Error ExpertMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
     if (step->rows[e].empty()) continue;
     for (int64_t n = 0; n < N; n += step->chunk) step->units.emplace_back(e, n);
   }
-  const int64_t units = step->units.size();
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), units) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([step] { step->drain(); });
-  step->drain();
-  while (step->done.load(std::memory_order_acquire) < units) {
-#if defined(__x86_64__)
-    __builtin_ia32_pause();
-#else
-    std::this_thread::yield();
-#endif
+  parallel_for(pool, step->units.size(), [&](int64_t i) { step->run(step->units[i]); });
+  return ffi::Error::Success();
+}
+
+// y[a][n + b] = x[a] . w[n + b] for B rows of w [N, K] and A rows of x: 16-wide partial sums over k, added
+// lane by lane in a fixed order at the end (then the K % 16 tail).
+template <int B, int A>
+void dot_rows(const uint16_t* w, int64_t K, int64_t n, const float* const* x, float* const* y) {
+  f32x16 acc[A][B] = {};
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    f32x16 wv[B];
+    for (int b = 0; b < B; ++b) wv[b] = widen(w + (n + b) * K + k);
+    for (int a = 0; a < A; ++a) {
+      f32x16 xv;
+      std::memcpy(&xv, x[a] + k, sizeof xv);
+      for (int b = 0; b < B; ++b) acc[a][b] += xv * wv[b];
+    }
   }
+  for (int a = 0; a < A; ++a) {
+    for (int b = 0; b < B; ++b) {
+      float lanes[16];
+      std::memcpy(lanes, &acc[a][b], sizeof lanes);
+      float t = 0.f;
+      for (int i = 0; i < 16; ++i) t += lanes[i];
+      for (int64_t kk = k; kk < K; ++kk) t += x[a][kk] * widen1(w[(n + b) * K + kk]);
+      y[a][n + b] = t;
+    }
+  }
+}
+
+ffi::Error MatvecTImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
+                       ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || wd[1] != xd[1]) {
+    return ffi::Error::InvalidArgument("matvec_t: x must be [R, K] and w [N, K]");
+  }
+  const int64_t R = xd[0], K = xd[1], N = wd[0], chunk = 256;
+  const float* xs = x.typed_data();
+  const uint16_t* ws = w.typed_data();
+  float* ys = y->typed_data();
+  parallel_for(pool, (N + chunk - 1) / chunk, [&](int64_t unit) {
+    const int64_t n1 = std::min(N, (unit + 1) * chunk);
+    for (int64_t r = 0; r < R; r += 2) {
+      const float* xr[2] = {xs + r * K, xs + std::min(r + 1, R - 1) * K};
+      float* yr[2] = {ys + r * N, ys + std::min(r + 1, R - 1) * N};
+      int64_t n = unit * chunk;
+      if (r + 1 < R) {
+        for (; n + 4 <= n1; n += 4) dot_rows<4, 2>(ws, K, n, xr, yr);
+        for (; n < n1; ++n) dot_rows<1, 2>(ws, K, n, xr, yr);
+      } else {
+        for (; n + 4 <= n1; n += 4) dot_rows<4, 1>(ws, K, n, xr, yr);
+        for (; n < n1; ++n) dot_rows<1, 1>(ws, K, n, xr, yr);
+      }
+    }
+  });
   return ffi::Error::Success();
 }
 
@@ -171,4 +184,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ErnieJaxExpertMatvec, ExpertMatvecImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ErnieJaxMatvecT, MatvecTImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
