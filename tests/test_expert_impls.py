@@ -95,3 +95,28 @@ def test_cpu_paths_match_ragged_path(skew, first, local, groups):
     invariant = jax.jit(lambda *a: routed_experts(*a, E, first, batch_invariant=True, implementation="capacity"))(
         x, w, ids, ug, dn)
     np.testing.assert_allclose(np.asarray(invariant), ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["capacity", "tiled", "sorted_tiles", "xla_cpu", "cpu_matvec", "ragged"])
+def test_padding_rows_cost_no_expert_work(impl):
+    """valid=False rows (padding) go to no expert, so their routed output is 0 and the real rows' are unchanged;
+    "ragged" computes every row. cpu_matvec takes bf16 experts (f32 ones run the xla_cpu forms)."""
+    opts = ExpertOptions(tile_rows=4, sorted_tile_rows=4)
+    T, H, F, E, k = 9, 32, 16, 8, 2
+    key = jax.random.split(jax.random.key(1), 4)
+    dtype = jnp.bfloat16 if impl == "cpu_matvec" else jnp.float32
+    x = jax.random.normal(key[0], (T, H)).astype(dtype)
+    ug, dn = (jax.random.normal(kk, shape).astype(dtype) * 0.2 for kk, shape in ((key[1], (E, H, 2 * F)),
+                                                                              (key[2], (E, F, H))))
+    ids = jax.vmap(lambda kk: jax.random.choice(kk, E, (k,), replace=False))(jax.random.split(key[3], T)).astype(jnp.int32)
+    w = jax.nn.softmax(jax.random.normal(key[3], (T, k)), axis=-1)
+    valid = jnp.arange(T) % 3 != 1
+    run = lambda v: np.asarray(jax.jit(lambda *a: routed_experts(  # noqa: E731
+        *a, E, implementation=impl, opts=opts, valid=v))(x, w, ids, ug, dn), np.float32)
+    full, skipped = run(None), run(valid)
+    rows = np.asarray(valid)
+    np.testing.assert_allclose(skipped[rows], full[rows], atol=1e-5 if dtype == jnp.float32 else 1e-2)
+    if impl == "ragged":
+        np.testing.assert_allclose(skipped, full, atol=1e-5)
+    else:
+        assert not skipped[~rows].any() and full[~rows].any()

@@ -29,7 +29,7 @@ def _step(weights, input_ids, positions, cache, logit_positions, block_tables, s
     and sampling inside the step saves launching a second program per step. Other batches sample the
     returned logits."""
     out = _gathered(forward(weights, cfg, input_ids, positions, cache, logit_positions, plan, block_tables,
-                            batch_invariant, ex), plan)
+                            batch_invariant, ex, _real_tokens(logit_positions, input_ids.shape)), plan)
     counts = _expert_counts(out.expert_ids, logit_positions, input_ids.shape, cfg)
     return out.logits, out.cache, counts, sample(out.logits, *sampling)
 
@@ -54,7 +54,7 @@ def _spec_prefill_step(weights, input_ids, positions, cache, logit_positions, bl
     row's last real token. next_tokens [B]: the prompt token after the chunk, or -1 when the chunk ends the
     prompt (then it is the token sampled here). -> _step's outputs and drafts [B,k]."""
     out = _gathered(forward(weights, cfg, input_ids, positions, cache, logit_positions, plan, block_tables,
-                            batch_invariant, ex), plan)
+                            batch_invariant, ex, _real_tokens(logit_positions, input_ids.shape)), plan)
     counts = _expert_counts(out.expert_ids, logit_positions, input_ids.shape, cfg)
     sampled = sample(out.logits, *sampling)
     B = input_ids.shape[0]
@@ -107,11 +107,15 @@ def _score_step(weights, input_ids, positions, cache, logit_positions, block_tab
     return out.logits[jnp.arange(B), logit_positions], out.cache, counts, (target_lp, top_ids, top_lp)
 
 
+def _real_tokens(logit_positions, shape) -> jax.Array:
+    """[B,T] bool: a row's tokens up to its logit position, its last real token (the rest of a prefill chunk is
+    padding, and padding rows of a batch carry logit position -1)."""
+    return jnp.arange(shape[1])[None, :] <= logit_positions[:, None]
+
+
 def _expert_counts(expert_ids, logit_positions, shape, cfg) -> jax.Array:
-    """Tokens routed to each expert of each MoE layer, counting only real tokens: a row's tokens up to its
-    logit position (padding rows of a decode batch carry logit position -1)."""
-    B, T = shape
-    valid = (jnp.arange(T)[None, :] <= logit_positions[:, None]).reshape(-1).astype(jnp.int32)
+    """Tokens routed to each expert of each MoE layer, counting only real tokens (_real_tokens)."""
+    valid = _real_tokens(logit_positions, shape).reshape(-1).astype(jnp.int32)
     if not expert_ids:
         return jnp.zeros((0, cfg.moe_num_experts), jnp.int32)
     ids = jnp.concatenate(expert_ids)  # [L_moe, B*T, k]

@@ -75,8 +75,8 @@ def attention_block(x, w, cfg: ErnieConfig, positions, seg_cache=None, layer=Non
 
 
 def decoder_layer(h, w, kind: str, cfg: ErnieConfig, positions, seg_cache=None, layer=None, block_tables=None,
-                  plan=None, batch_invariant: bool = False, rotary=None, ex: ExecutionConfig = REFERENCE):
-    """Pre-norm residual block. Returns (h, seg_cache, expert ids or None)."""
+                  plan=None, batch_invariant: bool = False, rotary=None, ex: ExecutionConfig = REFERENCE, real=None):
+    """Pre-norm residual block. Returns (h, seg_cache, expert ids or None). real: forward's real_tokens."""
     with jax.named_scope("attention"):
         a, seg_cache = attention_block(rms_norm(h, w["input_norm"], cfg.rms_norm_eps), w, cfg, positions,
                                        seg_cache, layer, block_tables, plan, rotary, ex)
@@ -87,16 +87,17 @@ def decoder_layer(h, w, kind: str, cfg: ErnieConfig, positions, seg_cache=None, 
             y, ids = swiglu(x, w["up_gate"], w["down"], ex, plan), None
     else:
         with jax.named_scope("moe"):
-            y, ids = moe(x, w, cfg, ex, plan, batch_invariant)
+            y, ids = moe(x, w, cfg, ex, plan, batch_invariant, None if real is None else real.reshape(-1))
     return constrain(h + y, plan, HIDDEN), seg_cache, ids
 
 
-def _segment_layer(carry, w, layer, positions, rotary, block_tables, *, kind, cfg, plan, batch_invariant, ex):
+def _segment_layer(carry, w, layer, positions, rotary, block_tables, *, kind, cfg, plan, batch_invariant, ex,
+                   real=None):
     """decoder_layer as ops/layer_loop.run_layers steps it: ((h, segment cache), w, layer index) ->
     ((h, segment cache), expert ids or None)."""
     h, seg_cache = carry
     h, seg_cache, ids = decoder_layer(h, w, kind, cfg, positions, seg_cache, layer, block_tables, plan,
-                                      batch_invariant, rotary, ex)
+                                      batch_invariant, rotary, ex, real)
     return (h, seg_cache), ids
 
 
@@ -112,7 +113,8 @@ def lm_head(weights, h: jax.Array, ex: ExecutionConfig = REFERENCE, plan: Shardi
 def forward(weights: dict[str, Any], cfg: ErnieConfig, input_ids: jax.Array, positions: jax.Array | None = None,
             cache: kvc.KVCache | None = None, logit_positions: jax.Array | None = None,
             plan: ShardingPlan | None = None, block_tables: jax.Array | None = None,
-            batch_invariant: bool = False, ex: ExecutionConfig = REFERENCE) -> ForwardOutput:
+            batch_invariant: bool = False, ex: ExecutionConfig = REFERENCE, real_tokens: jax.Array | None = None
+            ) -> ForwardOutput:
     """input_ids [B,T] int; positions [B,T] (default 0..T-1); with `cache`, K/V are written at `positions`
     through `block_tables` [B,n] (default: row b owns page b, a contiguous cache), and attention reads every
     filled slot, which is how incremental decoding works.
@@ -120,6 +122,8 @@ def forward(weights: dict[str, Any], cfg: ErnieConfig, input_ids: jax.Array, pos
     `plan`: run sharded on plan.mesh (weights and cache placed by the same plan); None runs unsharded.
     `batch_invariant`: a row's result must not depend on the other rows (ops/routed_experts/capacity.py).
     `ex`: which implementation each op runs (ops/execution.py; default: the XLA references).
+    `real_tokens` [B,T] bool: which tokens are real (None: all). A padding token's routed experts are skipped,
+    which changes only its own hidden state and KV slots: no real token reads them.
     A segment's weights are either stacked [L, ...] (one lax.scan) or a list of per-layer pytrees
     (weights.cpu_layout; the layers are unrolled)."""
     B, T = input_ids.shape
@@ -133,7 +137,7 @@ def forward(weights: dict[str, Any], cfg: ErnieConfig, input_ids: jax.Array, pos
     for s, seg in enumerate(cfg.layer_segments()):
         seg_cache = None if cache is None else cache.segment(s)
         layer = functools.partial(_segment_layer, kind=seg.kind, cfg=cfg, plan=plan, batch_invariant=batch_invariant,
-                                  ex=ex)
+                                  ex=ex, real=real_tokens)
         (h, seg_cache), ids = run_layers(layer, (h, seg_cache), weights["segments"][s], seg.count, positions, rotary,
                                          block_tables)
         new_segments.append(seg_cache)

@@ -92,15 +92,16 @@ def swiglu(x: jax.Array, up_gate, down, ex: ExecutionConfig = REFERENCE, plan=No
 
 
 def moe(x: jax.Array, w: dict, cfg: ErnieConfig, ex: ExecutionConfig = REFERENCE, plan=None,
-        batch_invariant: bool = False) -> tuple[jax.Array, jax.Array]:
+        batch_invariant: bool = False, valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Dropless MoE block: every (token, expert) assignment is computed, none is capped or dropped; the shared
     experts' output is summed with the routed experts' (run as the experts are placed:
     sharding/expert_parallel.py).
 
-    x [B,T,H] -> (y [B,T,H], expert ids [B*T,k])
+    x [B,T,H] -> (y [B,T,H], expert ids [B*T,k]); valid [B*T]: False on padding rows (a position of -1), whose
+    routed output is 0 and which no expert computes.
     """
     shared = shared_experts(x.reshape(-1, x.shape[-1]), w, ex, plan)
-    y, ids = routed_moe(x, w, cfg, plan, ex, batch_invariant, None if isinstance(shared, int) else shared)
+    y, ids = routed_moe(x, w, cfg, plan, ex, batch_invariant, None if isinstance(shared, int) else shared, valid)
     return y.reshape(x.shape), ids
 
 

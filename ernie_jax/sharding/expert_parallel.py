@@ -29,10 +29,12 @@ from ernie_jax.sharding.rules import ShardingError, ShardingPlan
 
 
 def routed_moe(x: jax.Array, w: dict, cfg: ErnieConfig, plan: ShardingPlan | None, ex: ExecutionConfig,
-               batch_invariant: bool = False, shared: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+               batch_invariant: bool = False, shared: jax.Array | None = None, valid: jax.Array | None = None
+               ) -> tuple[jax.Array, jax.Array]:
     """The routed experts of x [B,T,H] plus `shared` ([B*T,H], the shared experts' output, or None) as the
-    experts are placed: on one device (plan None) every expert runs locally; under a mesh expert-parallel
-    (moe_ep). -> (y [B,T,H] or [B*T,H], expert ids [B*T,k])."""
+    experts are placed: on one device (plan None) every expert runs locally, skipping the rows that `valid`
+    ([B*T] bool, or None) marks as padding; under a mesh expert-parallel (moe_ep), every row.
+    -> (y [B,T,H] or [B*T,H], expert ids [B*T,k])."""
     if plan is not None:
         return moe_ep(x, w, cfg, plan, ex, batch_invariant, shared)
     x2 = x.reshape(-1, x.shape[-1])
@@ -40,7 +42,8 @@ def routed_moe(x: jax.Array, w: dict, cfg: ErnieConfig, plan: ShardingPlan | Non
         weights, ids = route(x2, w["router"], w["router_bias"], cfg.moe_k, cfg.moe_norm_min)
     slots, num_slots = expert_slots(ids, w, cfg)
     y = routed_experts(x2, weights, slots, w["experts_up_gate"], w["experts_down"], num_slots,
-                       batch_invariant=batch_invariant, implementation=ex.routed_experts, opts=ex.expert_options)
+                       batch_invariant=batch_invariant, implementation=ex.routed_experts, opts=ex.expert_options,
+                       valid=valid)
     return (y if shared is None else y + shared), ids
 
 

@@ -14,6 +14,7 @@ tiled.py at prefill sizes; XLA:CPU only), "ragged" (the reference, ragged.py: gr
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from ernie_jax.ops import cpu_kernels
 from ernie_jax.ops.base import Implementation, Op, only_on
@@ -56,7 +57,13 @@ OP = Op("routed_experts", (
 
 
 def routed_experts(x, weights, ids, up_gate, down, num_experts: int, first_expert=0, batch_invariant: bool = False,
-                   *, implementation: str = "ragged", opts: ExpertOptions = ExpertOptions()) -> jax.Array:
+                   *, implementation: str = "ragged", opts: ExpertOptions = ExpertOptions(),
+                   valid: jax.Array | None = None) -> jax.Array:
+    """valid [T] bool (or None): False on padding rows. Implementations that take only their local experts'
+    assignments (all but "ragged", whose grouped matmul takes every row) route them to no expert (an id of -1,
+    as if another device's), so they cost no expert work and their output is 0."""
+    if valid is not None and implementation != "ragged":
+        ids = jnp.where(valid[:, None], ids, -1)
     return OP.get(implementation).fn(x, weights, ids, up_gate, down, num_experts, first_expert, batch_invariant,
                                      opts)
 
