@@ -23,15 +23,17 @@ def _bf16(rng, shape, scale=1.0):
 
 
 @needs_kernel
+@pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("K, N, groups", [(256, 256, 1), (40, 300, 2), (7, 17, 3), (128, 1024, 1)])
-def test_expert_matvec_matches_numpy(K, N, groups):
-    """Every column tile and tail (N = 128 k + 16 j + r), expert groups, an expert chosen by several rows and
-    ids outside the experts (another device's: zero rows)."""
+def test_expert_matvec_matches_numpy(K, N, groups, x_dtype):
+    """Every column tile and tail (N = 128 k + 16 j + r), an odd K, expert groups, an expert chosen by several
+    rows and ids outside the experts (another device's: zero rows); rows of bf16 values (which CPUs with bf16
+    dot products multiply with those) and of other f32 values."""
     from ernie_jax.ops.cpu_kernels.matvec import expert_matvec
     rng = np.random.default_rng(K + N)
     R, J, per = 5, 3, 2
     w = _bf16(rng, (per * groups, K, N))
-    x = jnp.asarray(rng.standard_normal((R, K)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((R, K)), x_dtype).astype(jnp.float32)
     ids = np.asarray(rng.integers(-1, per * groups + 1, (R, J)), np.int32)
     ids[0, :] = ids[1, :] = 0  # one expert, several rows
     got = np.asarray(jax.jit(expert_matvec)(x, jnp.asarray(ids), tuple(w[g * per:(g + 1) * per] for g in range(groups))))
@@ -146,3 +148,23 @@ def test_paged_decode_attention_names_a_page_outside_the_pool():
     with pytest.raises(Exception, match="row 0's block table names page 9, outside the pool of 4"):
         jax.block_until_ready(paged_decode_attention(q, k_pool, v_pool, jnp.asarray([[1, 9]], jnp.int32),
                                                      jnp.asarray([[5]], jnp.int32), 64))
+
+
+@needs_kernel
+@pytest.mark.parametrize("R, K, N", [(1, 256, 8192), (3, 40, 37), (2, 17, 9), (4, 16, 33), (2, 8, 20)])
+@pytest.mark.parametrize("transposed", [False, True], ids=["w", "w.T"])
+def test_dense_matmul_kernel_matches_numpy(R, K, N, transposed):
+    """x @ w and x @ w.T (a tied LM head) through the kernel: every row tile and K tail; more rows than
+    max_rows take the einsum."""
+    from ernie_jax.ops.dense_matmul import dense_matmul
+    rng = np.random.default_rng(R * K + N)
+    x = _bf16(rng, (R, K))
+    w = _bf16(rng, (N, K) if transposed else (K, N))
+    got = np.asarray(jax.jit(lambda x, w: dense_matmul(x, w, transposed, implementation="cpu_matvec"))(x, w))
+    wf = np.asarray(w, np.float64)
+    want = np.asarray(x, np.float64) @ (wf.T if transposed else wf)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    alone = np.asarray(dense_matmul(x[:1], w, transposed, implementation="cpu_matvec"))
+    np.testing.assert_array_equal(alone[0], got[0])  # a row's result does not depend on the others
+    many = dense_matmul(jnp.tile(x, (3, 1)), w, transposed, implementation="cpu_matvec", max_rows=2)
+    np.testing.assert_array_equal(np.asarray(many), np.asarray(dense_matmul(jnp.tile(x, (3, 1)), w, transposed)))

@@ -46,24 +46,6 @@ inline f32x16 exp_nonpositive(f32x16 x) {
   return low > 0.0f ? f32x16{} : y;
 }
 
-// Lane j of the result: the sum of v[j]'s 16 lanes, added as a fixed tree (pairs of lanes, then pairs of
-// pairs, ...); four rounds of shuffles and additions over all 16 vectors at once.
-inline f32x16 lane_sums(f32x16* v) {
-  for (int width = 16; width > 1; width /= 2) {
-    for (int i = 0; i < width / 2; ++i) {
-      const f32x16 a = v[2 * i], b = v[2 * i + 1];
-#if defined(__clang__)
-      v[i] = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-             __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-#else
-      const i32x16 even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-      v[i] = __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, even + 1);
-#endif
-    }
-  }
-  return v[0];
-}
-
 inline float round_to_bf16(float f) {  // round to nearest even, as XLA's convert does (no NaNs here)
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
