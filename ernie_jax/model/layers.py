@@ -97,8 +97,8 @@ def moe(x: jax.Array, w: dict, cfg: ErnieConfig, ex: ExecutionConfig = REFERENCE
     experts' output is summed with the routed experts' (run as the experts are placed:
     sharding/expert_parallel.py).
 
-    x [B,T,H] -> (y [B,T,H], expert ids [B*T,k]); valid [B*T]: False on padding rows (a position of -1), whose
-    routed output is 0 and which no expert computes.
+    x [B,T,H] -> (y [B,T,H], expert ids [B*T,k]); valid [B*T] (or None): False on padding tokens (forward's
+    real_tokens), whose routed output is 0 and which no expert computes.
     """
     shared = shared_experts(x.reshape(-1, x.shape[-1]), w, ex, plan)
     y, ids = routed_moe(x, w, cfg, plan, ex, batch_invariant, None if isinstance(shared, int) else shared, valid)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ernie_jax.ops import (block_fp8_matmul, cpu_kernels, dense_matmul, grouped_fp8_matmul, grouped_int_matmul, int_weight_matmul, paged_attention,
-                           routed_experts)
+from ernie_jax.ops import (block_fp8_matmul, cpu_kernels, dense_matmul, grouped_fp8_matmul, grouped_int_matmul,
+                           int_weight_matmul, paged_attention, routed_experts)
 from ernie_jax.ops.base import Op, Platform
 from ernie_jax.ops.dense import Matmuls
 from ernie_jax.ops.routed_experts.common import ExpertOptions

@@ -68,8 +68,9 @@ def _library(name: str) -> ctypes.CDLL | str:
         return f"the C++ compiler {cxx} does not run: {e}"
     digest = hashlib.sha256()
     headers = [h.read_bytes() for h in sorted(SOURCE_DIR.glob("*.h"))]
-    for part in (source.read_bytes(), *headers, version.encode(), jax.ffi.include_dir().encode(), jax.__version__.encode(),
-                 " ".join(sorted(cpu_flags())).encode(), " ".join(_command(source, "")).encode()):
+    for part in (source.read_bytes(), *headers, version.encode(), jax.ffi.include_dir().encode(),
+                 jax.__version__.encode(), " ".join(sorted(cpu_flags())).encode(),
+                 " ".join(_command(source, "")).encode()):
         digest.update(part)
     path = cache_dir() / f"{name}-{digest.hexdigest()[:16]}.so"
     if not path.exists():

@@ -20,8 +20,7 @@
 #include <immintrin.h>
 #endif
 
-namespace ffi = xla::ffi;
-using namespace ernie_jax;
+using namespace ernie_jax;  // ffi, the vectors, widen, lane_sums, parallel_for
 
 namespace {
 
@@ -162,38 +161,38 @@ ffi::Error ExpertMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   if (xd.size() != 2 || id.size() != 2 || id[0] != xd[0]) {
     return ffi::Error::InvalidArgument("expert_matvec: x must be [R, K] and ids [R, J]");
   }
-  auto step = std::make_unique<Step>();
-  step->x = x.typed_data();
-  step->xb = bf16_bits(step->x, x.element_count());
-  step->y = y->typed_data();
-  step->J = id[1];
-  step->K = xd[1];
-  step->N = -1;
+  Step step;
+  step.x = x.typed_data();
+  step.xb = bf16_bits(step.x, x.element_count());
+  step.y = y->typed_data();
+  step.J = id[1];
+  step.K = xd[1];
+  step.N = -1;
   for (size_t g = 0; g < groups.size(); ++g) {
     auto w = groups.get<ffi::Buffer<ffi::BF16>>(g);
     if (!w.has_value()) return ffi::Error::InvalidArgument("expert_matvec: weight groups must be bf16");
     auto wd = w->dimensions();
-    if (wd.size() != 3 || wd[1] != step->K || (step->N >= 0 && wd[2] != step->N)) {
+    if (wd.size() != 3 || wd[1] != step.K || (step.N >= 0 && wd[2] != step.N)) {
       return ffi::Error::InvalidArgument("expert_matvec: weight group " + std::to_string(g) +
                                          " must be [E_g, K, N] with x's K and one N");
     }
-    step->N = wd[2];
+    step.N = wd[2];
     const uint16_t* base = w->typed_data();
-    for (int64_t e = 0; e < wd[0]; ++e) step->experts.push_back(base + e * wd[1] * wd[2]);
+    for (int64_t e = 0; e < wd[0]; ++e) step.experts.push_back(base + e * wd[1] * wd[2]);
   }
-  const int64_t E = step->experts.size(), R = xd[0], J = step->J, N = step->N;
-  std::memset(step->y, 0, sizeof(float) * R * J * std::max<int64_t>(N, 0));
-  step->rows.resize(E);
+  const int64_t E = step.experts.size(), R = xd[0], J = step.J, N = step.N;
+  std::memset(step.y, 0, sizeof(float) * R * J * std::max<int64_t>(N, 0));
+  step.rows.resize(E);
   const int32_t* route = ids.typed_data();
   for (int64_t i = 0; i < R * J; ++i) {
-    if (route[i] >= 0 && route[i] < E) step->rows[route[i]].push_back(i);
+    if (route[i] >= 0 && route[i] < E) step.rows[route[i]].push_back(i);
   }
-  step->chunk = 256;  // a unit of work: one expert's rows over 256 columns
+  step.chunk = 256;  // a unit of work: one expert's rows over 256 columns
   for (int64_t e = 0; e < E; ++e) {
-    if (step->rows[e].empty()) continue;
-    for (int64_t n = 0; n < N; n += step->chunk) step->units.emplace_back(e, n);
+    if (step.rows[e].empty()) continue;
+    for (int64_t n = 0; n < N; n += step.chunk) step.units.emplace_back(e, n);
   }
-  parallel_for(pool, step->units.size(), [&](int64_t i) { step->run(step->units[i]); });
+  parallel_for(pool, step.units.size(), [&](int64_t i) { step.run(step.units[i]); });
   return ffi::Error::Success();
 }
 

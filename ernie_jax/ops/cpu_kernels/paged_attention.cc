@@ -17,8 +17,7 @@
 
 #include "common.h"
 
-namespace ffi = xla::ffi;
-using namespace ernie_jax;
+using namespace ernie_jax;  // ffi, the vectors, widen, lane_sums, parallel_for
 
 namespace {
 

@@ -3,12 +3,11 @@
 q [B,T,N,D] at positions [B,T] (-1: padding); k_pool, v_pool [P,page,K,D] (bf16, its uint16 bits
 (storage.py), or fp8 with scales [P,page,K]); tables [B,n] -> [B,T,N*D] in q's dtype. Implementations,
 preferred first: the Pallas-Triton kernel (GPU), a compiled CPU kernel for decode over bf16 pools
-(ops/cpu_kernels/paged_attention.cc, head dims 16-128; other shapes and pools as xla_cpu), the XLA:CPU
-block-diagonal decode
-form (xla_cpu.py), the
-XLA reference (reference.py: blocked online softmax, slots grouped by KV head). A padding position's
-output is 0 in every implementation (it sees no key; left alone, each form would average whatever its
-masked blocks held, and the kernel's self-check would compare two arbitrary rows: it failed on the H200).
+(ops/cpu_kernels/paged_attention.cc; other shapes and pools as xla_cpu), the XLA:CPU block-diagonal decode
+form (xla_cpu.py), the XLA reference (reference.py: blocked online softmax, slots grouped by KV head). A
+padding position's output is 0 in every implementation (it sees no key; left alone, each form would average
+whatever its masked blocks held, and the kernel's self-check would compare two arbitrary rows: it failed on
+the H200).
 `block_slots`: key slots per step of the XLA forms' loop (None: the whole table in one block, what a mesh
 needs; `constrain` then pins each gathered block's sharding).
 """
@@ -45,9 +44,8 @@ def _xla_cpu(*args, block_slots, constrain, platform):
 
 
 def _cpu_decode(q, k_pool, v_pool, k_scale, v_scale, tables, positions, *, block_slots, constrain, platform):
-    if (q.shape[1] == 1 and q.shape[3] in (16, 32, 64, 128) and k_pool.dtype == jnp.dtype(BF16_BITS) and k_scale is None
-            and block_slots is not None):
-        from ernie_jax.ops.cpu_kernels.attention import paged_decode_attention
+    from ernie_jax.ops.cpu_kernels.attention import paged_decode_attention, takes
+    if takes(q, k_pool, v_pool, k_scale) and block_slots is not None:
         out = paged_decode_attention(q, k_pool, v_pool, tables, positions, block_slots).astype(q.dtype)
         return _zero_padding(out, positions)
     return _xla_cpu(q, k_pool, v_pool, k_scale, v_scale, tables, positions, block_slots=block_slots,

@@ -7,7 +7,8 @@ assignment to a local expert is computed, whatever the load.
 
 Implementations, preferred first: "cpu_matvec" (matvec.py: bf16 experts at decode sizes through a compiled
 CPU kernel, else as "xla_cpu"; XLA:CPU where the kernel builds), "xla_cpu" (capacity.py at decode sizes,
-tiled.py at prefill sizes; XLA:CPU only), "ragged" (the reference, ragged.py: grouped matmuls whose cost follows the routed rows).
+tiled.py at prefill sizes; XLA:CPU only), "ragged" (the reference, ragged.py: grouped matmuls whose cost
+follows the routed rows).
 "capacity", "tiled" and "sorted_tiles" (differentiable: training) are chosen only by name.
 """
 
@@ -41,7 +42,7 @@ def xla_cpu_experts(x, weights, ids, up_gate, down, num_experts, first_expert, b
 def cpu_matvec_experts(x, weights, ids, up_gate, down, num_experts, first_expert, batch_invariant, opts):
     """The expert_matvec kernel for bf16 experts and at most opts.matvec_max_tokens tokens; otherwise (block-FP8
     or f32 experts, prefill sizes) the xla_cpu forms."""
-    if takes(x, ids, up_gate, down, opts.matvec_max_tokens):
+    if takes(ids, up_gate, down, opts.matvec_max_tokens):
         return matvec_experts(x, weights, ids, up_gate, down, first_expert)
     return xla_cpu_experts(x, weights, ids, up_gate, down, num_experts, first_expert, batch_invariant, opts)
 

@@ -1,4 +1,4 @@
-"""Routed experts at decode sizes through the expert_matvec CPU kernel (ops/cpu_kernels/matvec): bf16 experts only.
+"""Routed experts at decode sizes through the expert_matvec CPU kernel (ops/cpu_kernels/matvec): bf16 only.
 
 Each assignment's row is multiplied by its own expert's weights, read once per step for all the rows that
 chose it; experts no token chose are not read. Numerics are the capacity form's (bf16 products summed in
@@ -16,7 +16,7 @@ from ernie_jax.ops.dense import silu_mul
 from ernie_jax.ops.routed_experts.common import combine, expert_groups
 
 
-def takes(x, ids, up_gate, down, max_tokens: int) -> bool:
+def takes(ids, up_gate, down, max_tokens: int) -> bool:
     """Whether this call's experts are plain bf16 stacks and it has at most `max_tokens` tokens (past that,
     XLA:CPU's tiled and capacity forms run proper matrix-matrix products)."""
     leaves = expert_groups(up_gate) + expert_groups(down)
