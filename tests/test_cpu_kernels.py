@@ -139,6 +139,37 @@ def test_paged_decode_attention_matches_the_xla_forms(D, block_slots, N):
     np.testing.assert_array_equal(alone, kernel[3:4])
 
 
+@pytest.fixture
+def parallel_work():
+    """Sets cpu_kernels.set_parallel_work for a test (an engine built earlier in this process may have set
+    it) and restores it after."""
+    before = cpu_kernels._parallel_work
+    yield cpu_kernels.set_parallel_work
+    cpu_kernels.set_parallel_work(before)
+
+
+@needs_kernel
+def test_paged_decode_attention_split_over_threads_matches_each_row_alone(parallel_work):
+    """A call shared with XLA's pool threads gives each row what that row computes alone, bit for bit."""
+    from ernie_jax.ops.paged_attention import paged_attention
+    parallel_work(0)
+    rng = np.random.default_rng(3)
+    B, K, N, D, page, n = 12, 2, 8, 128, 16, 16
+    P = B * n + 1
+    k_pool, v_pool = _pools(rng, P, page, K, D)
+    q = jnp.asarray(rng.standard_normal((B, 1, N, D)), jnp.bfloat16)
+    tables = jnp.asarray(1 + rng.permutation(B * n).reshape(B, n), jnp.int32)
+    positions = jnp.asarray(rng.integers(200, n * page, (B, 1)), jnp.int32)
+    call = jax.jit(lambda *a: paged_attention(*a, implementation="cpu_decode", block_slots=64))
+    together = np.asarray(call(q, k_pool, v_pool, None, None, tables, positions), np.float32)
+    reference = np.asarray(jax.jit(lambda *a: paged_attention(*a, implementation="xla", block_slots=64))(
+        q, k_pool, v_pool, None, None, tables, positions), np.float32)
+    np.testing.assert_allclose(together, reference, atol=1e-2, rtol=1e-2)
+    for b in range(B):
+        alone = np.asarray(call(q[b:b + 1], k_pool, v_pool, None, None, tables[b:b + 1], positions[b:b + 1]))
+        np.testing.assert_array_equal(alone[0], together[b])
+
+
 @needs_kernel
 def test_paged_decode_attention_names_a_page_outside_the_pool():
     from ernie_jax.ops.cpu_kernels.attention import paged_decode_attention
@@ -168,3 +199,35 @@ def test_dense_matmul_kernel_matches_numpy(R, K, N, transposed):
     np.testing.assert_array_equal(alone[0], got[0])  # a row's result does not depend on the others
     many = dense_matmul(jnp.tile(x, (3, 1)), w, transposed, implementation="cpu_matvec", max_rows=2)
     np.testing.assert_array_equal(np.asarray(many), np.asarray(dense_matmul(jnp.tile(x, (3, 1)), w, transposed)))
+
+
+@needs_kernel
+def test_results_do_not_depend_on_the_kernels_threads(parallel_work):
+    """set_parallel_work moves work between threads and nothing else: the same calls shared with XLA's pool
+    threads and run on the calling thread alone give the same bits (the setting applies at run time, to
+    programs already compiled)."""
+    from ernie_jax.ops.cpu_kernels.matvec import expert_matvec, matvec_t
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((4, 256)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, 8, (4, 2)), jnp.int32)
+    w, head = _bf16(rng, (8, 256, 1024)), _bf16(rng, (4096, 256))
+    calls = jax.jit(lambda x: (expert_matvec(x, ids, (w,)), matvec_t(x, head)))
+    parallel_work(0)
+    shared = [np.asarray(y) for y in calls(x)]
+    parallel_work(1 << 40)
+    alone = [np.asarray(y) for y in calls(x)]
+    for a, b in zip(shared, alone):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_small_models_kernel_calls_stay_on_one_thread_where_their_weights_are_cached(monkeypatch):
+    """engine/cpu_rules.kernel_parallel_work: below CACHED_PARALLEL_WORK a call runs alone where the weights fit
+    in the last-level cache; where they do not, or no cache size is reported, every call shares its work."""
+    from ernie_jax.engine import cpu_rules
+    weights = {"a": jnp.zeros((1 << 20,), jnp.bfloat16), "b": [jnp.zeros((1 << 20,), jnp.float32)]}  # 6 MiB
+    monkeypatch.setattr(cpu_rules, "last_level_cache_bytes", lambda: 32 << 20)
+    assert cpu_rules.kernel_parallel_work(weights) == cpu_rules.CACHED_PARALLEL_WORK
+    monkeypatch.setattr(cpu_rules, "last_level_cache_bytes", lambda: 4 << 20)
+    assert cpu_rules.kernel_parallel_work(weights) == 0
+    monkeypatch.setattr(cpu_rules, "last_level_cache_bytes", lambda: 0)
+    assert cpu_rules.kernel_parallel_work(weights) == 0

@@ -3,12 +3,14 @@ engine (programs, pool layout) and never by the model math.
 
 - `min_decode_rows`: a lone sequence decodes beside a padding row when a plain bf16 matmul is involved;
 - `cpu_expert_groups`: how many groups an unsharded model's routed experts are split into
-  (model/weights.cpu_layout lays the weights out per group).
+  (model/weights.cpu_layout lays the weights out per group);
+- `kernel_parallel_work`: the smallest CPU kernel call that XLA's pool threads share (ops/cpu_kernels).
 """
 
 from __future__ import annotations
 
 import os
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -47,3 +49,33 @@ def cpu_expert_groups(num_experts: int) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(g for g in range(1, max(1, min(cores, num_experts)) + 1) if num_experts % g == 0)
 
+
+
+# Where a model's weights fit in the last-level cache, a kernel call below this many multiply-adds runs on one
+# thread: its weights stream from cache faster than a helper wakes (benchmarks/RESULTS.md, "Compiled CPU
+# kernels"). A small model's LM head and its batched calls stay above it.
+CACHED_PARALLEL_WORK = 1 << 20
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache this process's first CPU reports (Linux sysfs), or 0 where none is reported."""
+    sizes = []
+    for index in pathlib.Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        sizes.append(int(size[:-1]) * units[size[-1]] if size[-1:] in units else int(size or 0))
+    return max(sizes, default=0)
+
+
+def kernel_parallel_work(weights) -> int:
+    """The multiply-adds below which a CPU kernel call runs on its calling thread alone (cpu_kernels.
+    set_parallel_work), for the weights (a pytree) as the programs read them: CACHED_PARALLEL_WORK where they
+    fit in the last-level cache, else 0 (every call with two units of work shares them: from memory, a second
+    core's bandwidth pays even for a small call). Only a speed setting: a kernel's results never depend on
+    its threads."""
+    weights = sum(a.nbytes for a in jax.tree.leaves(weights))
+    cache = last_level_cache_bytes()
+    return CACHED_PARALLEL_WORK if cache and weights <= cache else 0

@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from ernie_jax.engine.compile_pool import compile_all
 from ernie_jax.engine.config import CacheConfig
-from ernie_jax.engine.cpu_rules import cpu_expert_groups, platform
+from ernie_jax.engine.cpu_rules import cpu_expert_groups, kernel_parallel_work, platform
 from ernie_jax.engine.executable_store import ExecutableStore, describe
 from ernie_jax.engine.expert_moves import move_experts
 from ernie_jax.engine.multihost import collective
@@ -36,6 +36,7 @@ from ernie_jax.model.ernie import ErnieForCausalLM
 from ernie_jax.model.forward import rope_cache
 from ernie_jax.model.kv_cache import KV_CACHE_DTYPES, KVCache
 from ernie_jax.model.weights import cpu_layout
+from ernie_jax.ops import cpu_kernels
 from ernie_jax.ops.paged_attention.storage import pool_dtype
 from ernie_jax.sampling import sample
 
@@ -72,6 +73,7 @@ class ModelPrograms:
             groups = cpu_expert_groups(self.cfg.moe_num_experts) if self.plan is None else 1
             self.weights = cpu_layout(self.weights, expert_groups=groups,  # why: weights.cpu_layout
                                       fp8_values=self.execution.cpu_fp8_values)
+            cpu_kernels.set_parallel_work(kernel_parallel_work(self.weights))
         page_size, num_pages = cache.block_size, cache.num_gpu_blocks_override
         self.page_size, self.max_pages = page_size, max_pages_per_seq
         if self.plan is not None:
@@ -83,6 +85,7 @@ class ModelPrograms:
         # An instance across processes may hold none of this process's devices (PD with a submesh per
         # process): what the leader reads of its results is brought onto the leader's first device (fetch).
         self.remote = not any(d.process_index == jax.process_index() for d in self.devices)
+        self.local = all(d.process_index == jax.process_index() for d in self.devices)
         self.home = SingleDeviceSharding(jax.devices()[0])  # process 0's first device (devices sort by process)
         self.first = SingleDeviceSharding(self.devices[0])
         self.weights["rope_cache"] = jax.device_put(rope_cache(self.cfg, page_size * max_pages_per_seq),
@@ -304,6 +307,15 @@ class ModelPrograms:
         """Explicit host -> device copy onto this mesh (replicated); a pytree goes in one call."""
         return jax.device_put(x, self.replicated)
 
+    def _step_inputs(self, tree):
+        """A step's host inputs as its program takes them. Where this process holds every device of the mesh,
+        the numpy arrays go to the jitted program as they are: its dispatch copies them onto the replicated
+        in_shardings in C++, several times faster than `put` of the same ten small arrays, which took as long as
+        a small model's whole decode program (benchmarks/RESULTS.md). The call that takes them allows that
+        host-to-device copy by name (jax.transfer_guard), so a guard still catches any other. A mesh across
+        processes takes the explicit copy."""
+        return tree if self.local else self.put(tree)
+
     @collective
     def run(self, kind: str, ids, positions, logit_positions, block_tables, arrays: dict[str, Any], extra=None):
         """One prefill chunk or decode step, sampling the logits with `arrays` (Engine._sampling_arrays) as
@@ -312,10 +324,11 @@ class ModelPrograms:
         fn = self._program((kind, *ids.shape))
         sampling = tuple(arrays[name] for name in SAMPLING_ARGS)
         extra = () if extra is None else (extra,)
-        ids, positions, logit_positions, block_tables, extra, sampling = self.put(
+        ids, positions, logit_positions, block_tables, extra, sampling = self._step_inputs(
             (ids, positions, logit_positions, block_tables, extra, sampling))
-        logits, self.cache, counts, sampled, *drafts = fn(self.weights, ids, positions, self.cache, logit_positions,
-                                                          block_tables, *extra, sampling)
+        with jax.transfer_guard_host_to_device("allow"):  # the step's numpy inputs (_step_inputs), nothing else
+            logits, self.cache, counts, sampled, *drafts = fn(self.weights, ids, positions, self.cache,
+                                                              logit_positions, block_tables, *extra, sampling)
         return (logits, counts, sampled, *drafts)
 
     @collective
@@ -329,10 +342,11 @@ class ModelPrograms:
             t0 = time.perf_counter()
             self._programs[key] = self._prepared(key).compile()
             self.report.append((f"{self.name} prefill+prompt_logprobs", T, time.perf_counter() - t0))
-        ids, positions, logit_positions, block_tables, targets = self.put(
+        ids, positions, logit_positions, block_tables, targets = self._step_inputs(
             (ids, positions, logit_positions, block_tables, targets))
-        logits, self.cache, counts, scores = self._programs[key](self.weights, ids, positions, self.cache,
-                                                                 logit_positions, block_tables, targets)
+        with jax.transfer_guard_host_to_device("allow"):  # the step's numpy inputs (_step_inputs), nothing else
+            logits, self.cache, counts, scores = self._programs[key](self.weights, ids, positions, self.cache,
+                                                                     logit_positions, block_tables, targets)
         return logits, counts, scores
 
     @collective

@@ -40,6 +40,8 @@ SOURCE_DIR = pathlib.Path(__file__).parent
 # kernel library -> the jax.ffi targets it defines (target name = handler symbol)
 TARGETS = {"matvec": ("ErnieJaxExpertMatvec", "ErnieJaxMatvecT"),
            "paged_attention": ("ErnieJaxPagedDecodeAttention",)}
+_LOADED: list[ctypes.CDLL] = []  # the libraries loaded in this process
+_parallel_work = 0  # set_parallel_work
 
 
 def compiler() -> str:
@@ -95,7 +97,19 @@ def _library(name: str) -> ctypes.CDLL | str:
         return f"loading {path} failed: {e}"
     for symbol in TARGETS[name]:
         jax.ffi.register_ffi_target(symbol, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    lib.ErnieJaxSetParallelWork(ctypes.c_int64(_parallel_work))
+    _LOADED.append(lib)
     return lib
+
+
+def set_parallel_work(work: int) -> None:
+    """The multiply-adds below which a kernel call runs on its calling thread alone, in every kernel library
+    of this process, loaded or not yet (common.h, parallel_for). A speed setting only: which threads run never
+    changes a result."""
+    global _parallel_work
+    _parallel_work = int(work)
+    for lib in _LOADED:
+        lib.ErnieJaxSetParallelWork(ctypes.c_int64(_parallel_work))
 
 
 def unavailable(name: str) -> str | None:

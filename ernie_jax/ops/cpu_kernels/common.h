@@ -54,11 +54,25 @@ inline f32x16 lane_sums(f32x16* v) {
   return v[0];
 }
 
-// Runs fn(i) for every i in [0, n) on the calling thread and on up to num_threads - 1 of XLA's pool threads,
-// each claiming the next index; returns once all are done. A helper that starts late finds nothing to claim
-// and returns without touching fn (whose captures may be gone by then).
+// The multiply-adds below which a call runs on its calling thread alone (cpu_kernels.set_parallel_work; the
+// engine's CPU rules choose it per model): waking a helper costs about as much as a small call's work when
+// its weights stream from cache, while from memory a second core's bandwidth pays even for small calls.
+// Which threads run never changes a result: each output is computed whole by one thread, in a fixed order.
+inline std::atomic<int64_t> g_parallel_work{0};
+extern "C" __attribute__((visibility("default"))) void ErnieJaxSetParallelWork(int64_t work) {
+  g_parallel_work.store(work);
+}
+
+// Runs fn(i) for every i in [0, n) on the calling thread and, for a call with at least g_parallel_work
+// multiply-adds (`work`), on up to num_threads - 1 of XLA's pool threads too, each claiming the next index;
+// returns once all are done. A helper that starts late finds nothing to claim and returns without touching
+// fn (whose captures may be gone by then).
 template <typename F>
-void parallel_for(ffi::ThreadPool& pool, int64_t n, const F& fn) {
+void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t work, const F& fn) {
+  if (work < g_parallel_work.load(std::memory_order_relaxed) || n < 2 || pool.num_threads() < 2) {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
   struct Shared {
     std::atomic<int64_t> next{0}, done{0};
   };

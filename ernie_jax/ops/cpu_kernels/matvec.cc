@@ -192,7 +192,9 @@ ffi::Error ExpertMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
     if (step.rows[e].empty()) continue;
     for (int64_t n = 0; n < N; n += step.chunk) step.units.emplace_back(e, n);
   }
-  parallel_for(pool, step.units.size(), [&](int64_t i) { step.run(step.units[i]); });
+  int64_t work = 0;
+  for (const auto& r : step.rows) work += int64_t(r.size()) * step.K * N;
+  parallel_for(pool, step.units.size(), work, [&](int64_t i) { step.run(step.units[i]); });
   return ffi::Error::Success();
 }
 
@@ -285,7 +287,7 @@ ffi::Error MatvecTImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
 #else
   const std::vector<uint16_t> xb;
 #endif
-  parallel_for(pool, (N + chunk - 1) / chunk, [&](int64_t unit) {
+  parallel_for(pool, (N + chunk - 1) / chunk, R * N * K, [&](int64_t unit) {
     const int64_t n0 = unit * chunk, n1 = std::min(N, n0 + chunk);
     if (!xb.empty()) {
       matvec_t_rows(ws, K, N, R, xb.data(), ys, n0, n1);

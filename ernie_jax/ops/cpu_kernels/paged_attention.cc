@@ -153,7 +153,9 @@ ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
       }
     }
   }
-  parallel_for(pool, B * K, [&](int64_t unit) {
+  int64_t work = 0;  // a query head's multiply-adds over its visible slots, keys and values
+  for (int64_t b = 0; b < B; ++b) work += N * 2 * D * (std::min<int64_t>(pos[b], n * page - 1) + 1);
+  parallel_for(pool, B * K, work, [&](int64_t unit) {
     const int64_t b = unit / K, g = unit % K;
     float* o = os + (b * N + g * R) * D;  // this group's R query heads, adjacent
     const int64_t last = std::min<int64_t>(pos[b], n * page - 1);
