@@ -4,6 +4,7 @@ that a change to the CPU formulations (or anything else under the model) leaves 
     python benchmarks/greedy_outputs.py --out before.json            # on the old commit
     python benchmarks/greedy_outputs.py --compare before.json        # on the new one: exit 1 on a difference
     python benchmarks/greedy_outputs.py --model DIR --dtype bfloat16 --variant routed_experts=xla_cpu --out a.json
+    python benchmarks/greedy_outputs.py --compare before.json --num-scheduler-steps 8  # multi-step decode
 
 Setups: colocated, colocated with MTP (2 draft tokens), PD (prefill and decode on their own devices) and PD
 with MTP; 8 chat prompts, 48 greedy tokens each, EOS ignored; float32 by default (`--dtype`). A difference is
@@ -29,7 +30,7 @@ SETUPS = {"colocated": {}, "colocated+mtp": {"speculative_config": {"method": "m
 
 
 def run(dtype: str, max_tokens: int, model: str | None = None, variant: str | None = None,
-        setups: list[str] | None = None) -> dict[str, list[list[int]]]:
+        setups: list[str] | None = None, num_scheduler_steps: int = 1) -> dict[str, list[list[int]]]:
     from ernie_jax.sharding.mesh import request_host_devices
     request_host_devices(2)
     from ernie_jax import LLM, SamplingParams
@@ -42,7 +43,7 @@ def run(dtype: str, max_tokens: int, model: str | None = None, variant: str | No
     out = {}
     for name in setups or SETUPS:
         llm = LLM(model if variant is None else _variant_model(model, dtype, variant), dtype=dtype, max_num_seqs=8,
-                  max_model_len=256, background_compile=False, **SETUPS[name])
+                  max_model_len=256, background_compile=False, num_scheduler_steps=num_scheduler_steps, **SETUPS[name])
         out[name] = [list(r.outputs[0].token_ids) for r in llm.generate(prompts, sp)]
         print(f"{name}: {sum(map(len, out[name]))} tokens", flush=True)
     return out
@@ -56,6 +57,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--model", help="a checkpoint folder or preset (default: the embedded model)")
     ap.add_argument("--variant", help="an execution config, as bench step-profile's --variant (FIELD=VALUE,...)")
+    ap.add_argument("--num-scheduler-steps", type=int, default=1, help="decode steps a program runs (multi-step "
+                    "decode; the MTP setups take single steps)")
     ap.add_argument("--setups", help=f"comma-separated, of {','.join(SETUPS)} (default: all; the MTP ones need "
                     "the model's MTP block)")
     args = ap.parse_args()
@@ -63,7 +66,7 @@ def main() -> int:
     if unknown := set(setups or ()) - set(SETUPS):
         raise SystemExit(f"--setups: unknown {sorted(unknown)}; expected of {list(SETUPS)}")
     got = {"dtype": args.dtype, "max_tokens": args.max_tokens,
-           "outputs": run(args.dtype, args.max_tokens, args.model, args.variant, setups)}
+           "outputs": run(args.dtype, args.max_tokens, args.model, args.variant, setups, args.num_scheduler_steps)}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(got, f)

@@ -51,6 +51,7 @@ class LLM:
     block_size, num_gpu_blocks_override, gpu_memory_utilization, enable_prefix_caching;
     compilation_cache_dir (JAX's persistent cache; None: off; one already configured wins);
     batch_invariant; background_compile; kernels ("auto", "pallas", "xla": ops/execution.py);
+    num_scheduler_steps (decode steps one program runs while nothing else waits: multi-step decode);
     speculative_config ({"method": "mtp", "num_speculative_tokens": k}, engine/speculative.py);
     eplb_config ({"num_redundant_experts": R, "window_size": W, "step_interval": S}, needs a mesh that splits
     the experts; engine/expert_balance.py).

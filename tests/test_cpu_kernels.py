@@ -222,11 +222,13 @@ def test_results_do_not_depend_on_the_kernels_threads(parallel_work):
 
 def test_small_models_kernel_calls_stay_on_one_thread_where_their_weights_are_cached(monkeypatch):
     """engine/cpu_rules.kernel_parallel_work: below CACHED_PARALLEL_WORK a call runs alone where the weights fit
-    in the last-level cache; where they do not, or no cache size is reported, every call shares its work."""
+    in the last-level cache and decode runs a step a program; where they do not, decode runs several steps a
+    program, or no cache size is reported, every call shares its work."""
     from ernie_jax.engine import cpu_rules
     weights = {"a": jnp.zeros((1 << 20,), jnp.bfloat16), "b": [jnp.zeros((1 << 20,), jnp.float32)]}  # 6 MiB
     monkeypatch.setattr(cpu_rules, "last_level_cache_bytes", lambda: 32 << 20)
     assert cpu_rules.kernel_parallel_work(weights) == cpu_rules.CACHED_PARALLEL_WORK
+    assert cpu_rules.kernel_parallel_work(weights, decode_steps=8) == 0  # the host waits out a multi-step
     monkeypatch.setattr(cpu_rules, "last_level_cache_bytes", lambda: 4 << 20)
     assert cpu_rules.kernel_parallel_work(weights) == 0
     monkeypatch.setattr(cpu_rules, "last_level_cache_bytes", lambda: 0)

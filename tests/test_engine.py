@@ -271,6 +271,19 @@ def test_cpu_fp8_form_reads_bf16_values_as_stored():
     assert len(out[0].outputs[0].token_ids) == 4
 
 
+MIXED_PROMPTS = [[5, 9, 11, 13], [7, 3], [21, 22, 23, 24, 25, 26], [4], [8, 8]]  # SMALL's 4 seats: the 5th waits
+
+
+def mixed_params(*max_tokens: int) -> list[SamplingParams]:
+    """MIXED_PROMPTS' sampling, with these max_tokens: greedy, seeded, greedy, seeded top-p with logprobs, greedy."""
+    a, b, c, d, e = max_tokens
+    return [SamplingParams(temperature=0, max_tokens=a, ignore_eos=True),
+            SamplingParams(temperature=0.8, seed=3, max_tokens=b, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=c, ignore_eos=True),
+            SamplingParams(temperature=0.5, top_p=0.9, seed=1, max_tokens=d, ignore_eos=True, logprobs=2),
+            SamplingParams(temperature=0, max_tokens=e, ignore_eos=True)]
+
+
 @pytest.mark.parametrize("mode", ["single", "pd"])
 def test_decode_steps_chain_on_device_without_changing_tokens(mode):
     """While the batch is unchanged, a decode step takes the previous step's sampled tokens on the device
@@ -278,12 +291,7 @@ def test_decode_steps_chain_on_device_without_changing_tokens(mode):
     late give the tokens of reading every step first, and every page ends free."""
     engine_llm = llm(mode)
     engine = engine_llm.engine
-    prompts = [[5, 9, 11, 13], [7, 3], [21, 22, 23, 24, 25, 26], [4], [8, 8]]  # the 5th waits for a free seat
-    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
-              SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
-              SamplingParams(temperature=0.5, top_p=0.9, seed=1, max_tokens=9, ignore_eos=True, logprobs=2),
-              SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)]
+    prompts, params = MIXED_PROMPTS, mixed_params(10, 12, 3, 9, 6)
     chained = []  # per decode dispatch: whether it took the step in flight's tokens on the device
     for inst in engine.instances:
         inst.runner.dispatch = lambda plan, d=inst.runner.dispatch: (
@@ -303,6 +311,31 @@ def test_decode_steps_chain_on_device_without_changing_tokens(mode):
     assert [len(o.outputs[0].token_ids) for o in ahead] == [10, 12, 3, 9, 6]
     assert ahead[3].outputs[0].logprobs == stepwise[3].outputs[0].logprobs
     assert all_free(engine)
+
+
+@pytest.mark.parametrize("mode", ["single", "pd"])
+def test_multi_step_decode_gives_the_tokens_of_single_steps(mode):
+    """num_scheduler_steps=4: while nothing waits and every row samples on the device alone, one program runs 4
+    decode steps. Greedy and seeded sampling, lengths that are not multiples of 4, a stop token in the middle
+    of a multi-step (the tokens after it dropped), a request with logprobs (its batch takes single steps) and
+    one that waits for a seat give the tokens of single steps, and every page ends free."""
+    reference = llm(mode)
+    kw = {"pd": dict(mesh=8, prefill_devices=4), "single": {}}[mode]
+    multi = LLM(golden_model(), **SMALL, **kw, num_scheduler_steps=4)
+    prompts, params = MIXED_PROMPTS, mixed_params(10, 41, 14, 9, 6)
+    want = [o.outputs[0].token_ids for o in reference.generate(prompt_token_ids=prompts, sampling_params=params)]
+    stop = want[2][6]  # request 2 stops at its 7th token, inside a multi-step
+    params[2] = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, stop_token_ids=[stop])
+    want[2] = want[2][:want[2].index(stop) + 1]
+    steps = []  # per decode dispatch: the decode steps its program runs
+    for inst in multi.engine.instances:
+        inst.runner.dispatch = lambda plan, d=inst.runner.dispatch: (
+            plan.decode and steps.append(plan.decode_steps)) or d(plan)
+    with jax.transfer_guard("disallow"):
+        got = multi.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert steps.count(4) >= 3 and 1 in steps
+    assert all_free(multi.engine)
 
 
 def test_pd_prefills_a_burst_of_prompts_in_batches():

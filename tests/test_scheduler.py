@@ -207,3 +207,33 @@ def first_pages(s: Scheduler, req: Request) -> list[int]:
     """The pages the prefix cache holds for req's prompt's full pages."""
     from ernie_jax.engine.pages import page_hashes
     return s.pool.lookup(page_hashes(req.prompt_ids, PAGE, s.pool.salt, [])[:len(req.prompt_ids) // PAGE])
+
+
+def multi_run(plan) -> StepResult:
+    """fake_run for plans that may run several decode steps: plan.decode_steps tokens a decode row, whose
+    pages must hold the KV those steps write (the newest token's and the next decode_steps - 1)."""
+    for r in plan.decode:
+        assert len(r.pages) >= -(-(r.num_tokens + plan.decode_steps - 1) // PAGE)
+    rows = [RowOutput(c.req, "prefill", [100 + len(c.req.output_ids)]) for c in plan.prefill if c.completes]
+    return StepResult(rows + [RowOutput(r, "decode", [100 + len(r.output_ids) + i for i in range(plan.decode_steps)])
+                              for r in plan.decode])
+
+
+def test_multi_step_decode_runs_only_while_nothing_waits_and_rows_take_every_token():
+    """With a 4-step program compiled, the batch takes 4 steps a program while no request waits or prefills,
+    every row samples on the device alone and needs all 4 tokens (pages allocated first); else single steps."""
+    s = make(16)
+    s.shapes.add("multi", (1, 4))
+    s.shapes.add("multi", (2, 4))
+    b = request("b", 5, 14)
+    s.waiting.append(b)
+    steps = lambda n: [step(s, run=multi_run).decode_steps for _ in range(n)]  # noqa: E731
+    assert steps(3) == [1, 4, 4]  # the prefill (its token), then b alone: 9 tokens
+    logprobs = request("lp", 3, 3, first=40)
+    logprobs.params.logprobs = 1  # sampled on the host
+    s.waiting.append(logprobs)
+    assert steps(3) == [1, 1, 1]  # it prefills beside b's step, then decodes beside b until it ends
+    assert logprobs.finished and len(b.output_ids) == 12
+    assert steps(2) == [1, 1]  # b needs 2 more tokens: fewer than 4
+    assert b.finished and b.output_ids == list(range(100, 114))
+    assert s.pool.free == s.pool.capacity

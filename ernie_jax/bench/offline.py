@@ -75,7 +75,8 @@ def offline(args) -> int:
     llm = LLM(model, dtype=args.dtype, max_model_len=args.input_len + args.output_len,
               max_num_seqs=args.max_num_seqs or args.num_prompts, mesh=args.mesh, prefill_devices=args.prefill_devices,
               disaggregate=not args.no_disaggregate, kv_cache_dtype=args.kv_cache_dtype,
-              max_num_batched_tokens=args.max_num_batched_tokens, speculative_config=args.speculative_config)
+              max_num_batched_tokens=args.max_num_batched_tokens, speculative_config=args.speculative_config,
+              num_scheduler_steps=args.num_scheduler_steps)
     startup = time.perf_counter() - t0
     cfg = llm.model.config
     rng = np.random.default_rng(0)
@@ -152,6 +153,8 @@ def add_parsers(sub) -> None:
     off.add_argument("--input-len", type=int, default=128)
     off.add_argument("--output-len", type=int, default=128)
     off.add_argument("--max-num-seqs", type=int, default=None, help="default: --num-prompts")
+    off.add_argument("--num-scheduler-steps", type=int, default=1,
+                     help="decode steps one program runs while nothing else waits (multi-step decode)")
     off.add_argument("--max-num-batched-tokens", type=int, default=2048,
                      help="prompt tokens per prefill step (several prompts' chunks batch up to it)")
     off.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],

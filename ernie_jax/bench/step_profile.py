@@ -1,7 +1,7 @@
 """`python -m ernie_jax.bench step-profile`: where one decode step's time goes, at 1 and 16 streams.
 
     python -m ernie_jax.bench step-profile [--model MODEL] [--streams 1,16] [--steps 64] [--dtype bfloat16]
-        [--mesh M] [--no-chain] [--variant OP=IMPL[,OP=IMPL...] ...] [--rounds 3]
+        [--mesh M] [--no-chain] [--num-scheduler-steps N] [--variant OP=IMPL[,OP=IMPL...] ...] [--rounds 3]
 
 For each stream count, that many greedy requests are prefilled, then `--steps` decode steps are driven on
 the instance exactly as the engine's loop drives them (`Instance.begin` / `end`, the chained decode step
@@ -69,14 +69,16 @@ class _Timers:
 
 
 def profile(llm, streams: int, steps: int, prompt_len: int, seed: int = 0) -> dict:
-    """One decode-step profile of `streams` requests on the engine's (first) instance."""
+    """One decode-step profile of `streams` requests on the engine's (first) instance. With multi-step decode
+    (num_scheduler_steps), a step is one program of several decode steps; tok/s counts the tokens."""
     from ernie_jax import SamplingParams
 
     engine = llm.engine
     inst = engine.instances[-1]  # colocated: the only one; PD: the decode instance
     rng = np.random.default_rng(seed)
     vocab = engine.cfg.vocab_size
-    sp = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    per_step = engine.instances[-1].programs.decode_steps
+    sp = SamplingParams(temperature=0, max_tokens=steps * per_step + 8, ignore_eos=True)
     ids = [engine.add_request(rng.integers(3, vocab, prompt_len).tolist(), sp) for _ in range(streams)]
     while any(not engine.requests[i].output_ids for i in ids):  # prefill every prompt (its own steps)
         engine.step()
@@ -97,6 +99,7 @@ def profile(llm, streams: int, steps: int, prompt_len: int, seed: int = 0) -> di
         return run(kind, *args, **kwargs)
     programs.run = remember
     walls, plan_seconds = [], []
+    tokens = sum(len(engine.requests[i].output_ids) for i in ids)
     try:
         for _ in range(steps):
             t0 = time.perf_counter()
@@ -109,6 +112,7 @@ def profile(llm, streams: int, steps: int, prompt_len: int, seed: int = 0) -> di
         for (obj, method) in originals:
             vars(obj).pop(method, None)  # the class's method again
         vars(programs).pop("run", None)
+    tokens = sum(len(engine.requests[i].output_ids) for i in ids) - tokens
     while engine.has_unfinished():
         engine.step()
     # the device alone: the decode program on its last inputs, waited for each time
@@ -124,7 +128,7 @@ def profile(llm, streams: int, steps: int, prompt_len: int, seed: int = 0) -> di
     wall = statistics.median(walls)
     host = sum(med.values())
     return {"streams": streams, "wall": wall, **med, "host": host, "waited": max(0.0, wall - host),
-            "device": statistics.median(device) if device else float("nan"), "tok_s": streams / wall}
+            "device": statistics.median(device) if device else float("nan"), "tok_s": tokens / sum(walls)}
 
 
 def _variant_model(model: str | None, dtype: str, spec: str):
@@ -169,7 +173,8 @@ def step_profile(args) -> int:
     for spec in variants:
         model = args.model if spec is None else _variant_model(args.model, args.dtype, spec)
         llm = llms[spec] = LLM(model, dtype=args.dtype, mesh=args.mesh, max_num_seqs=max(counts),
-                               max_model_len=args.prompt_len + args.steps + 16, background_compile=False,
+                               max_model_len=args.prompt_len + args.steps * args.num_scheduler_steps + 16,
+                               background_compile=False, num_scheduler_steps=args.num_scheduler_steps,
                                **({"disaggregate": False} if args.mesh else {}))
         if args.no_chain:
             for inst in llm.engine.instances:
@@ -177,8 +182,8 @@ def step_profile(args) -> int:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                "?") if jax.default_backend() == "cpu" else jax.devices()[0].device_kind
     print(f"model {args.model or 'the embedded model'} ({args.dtype}), {jax.device_count()} {jax.default_backend()} device(s) ({cpu}), "
-          f"prompt {args.prompt_len} tokens, {args.steps} decode steps each, chained: {not args.no_chain}; "
-          "medians per step, ms")
+          f"prompt {args.prompt_len} tokens, {args.steps} steps each of up to {args.num_scheduler_steps} decode "
+          f"step(s), chained: {not args.no_chain}; medians per step, ms")
     if jax.default_backend() == "cpu":
         from ernie_jax.ops.block_fp8_matmul.xla_cpu import vector_extensions
         print("CPU vector extensions:", vector_extensions())
@@ -223,6 +228,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--mesh", default=None)
     p.add_argument("--no-chain", action="store_true", help="read every decode step before planning the next")
+    p.add_argument("--num-scheduler-steps", type=int, default=1, help="decode steps a program runs (multi-step "
+                   "decode): a profiled step is then one such program")
     p.add_argument("--variant", action="append", default=None, metavar="FIELD=VALUE[,...]",
                    help="an execution config to compare (repeatable; '' is the default choice), e.g. "
                         "block_fp8_matmul=xla")

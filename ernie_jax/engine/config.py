@@ -48,6 +48,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # prompt tokens per step: a long prompt's chunk, short ones' batch
     batch_invariant: bool = False  # one decode shape: a request's tokens never depend on its batch
     background_compile: bool = False  # ready once the largest buckets compiled; the rest compile behind
+    # decode steps one program runs while nothing else waits (multi-step decode; 1: off; MTP: 1)
+    num_scheduler_steps: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +105,7 @@ class EngineConfig:
         if self.parallel.sharding not in SHARDINGS:
             raise ValueError(f"sharding {self.parallel.sharding!r} is not one of {list(SHARDINGS)}")
         for name, value in (("max_num_seqs", s.max_num_seqs), ("max_num_batched_tokens", s.max_num_batched_tokens),
-                            ("block_size", c.block_size)):
+                            ("block_size", c.block_size), ("num_scheduler_steps", s.num_scheduler_steps)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: expected a positive integer")
         if c.num_gpu_blocks_override is not None and c.num_gpu_blocks_override < 2:

@@ -51,9 +51,10 @@ def cpu_expert_groups(num_experts: int) -> int:
 
 
 
-# Where a model's weights fit in the last-level cache, a kernel call below this many multiply-adds runs on one
-# thread: its weights stream from cache faster than a helper wakes (benchmarks/RESULTS.md, "Compiled CPU
-# kernels"). A small model's LM head and its batched calls stay above it.
+# Where a model's weights fit in the last-level cache and the host prepares each decode step while the one
+# before runs, a kernel call below this many multiply-adds runs on one thread: its weights stream from cache
+# faster than a helper wakes, and a helper takes the core the host needs (benchmarks/RESULTS.md, "Compiled
+# CPU kernels"). A small model's LM head and its batched calls stay above it.
 CACHED_PARALLEL_WORK = 1 << 20
 
 
@@ -70,12 +71,12 @@ def last_level_cache_bytes() -> int:
     return max(sizes, default=0)
 
 
-def kernel_parallel_work(weights) -> int:
+def kernel_parallel_work(weights, decode_steps: int = 1) -> int:
     """The multiply-adds below which a CPU kernel call runs on its calling thread alone (cpu_kernels.
     set_parallel_work), for the weights (a pytree) as the programs read them: CACHED_PARALLEL_WORK where they
-    fit in the last-level cache, else 0 (every call with two units of work shares them: from memory, a second
-    core's bandwidth pays even for a small call). Only a speed setting: a kernel's results never depend on
-    its threads."""
+    fit in the last-level cache and decode runs one step a program; else 0, every call with two units of work
+    sharing them (from memory a second core's bandwidth pays even for a small call, and a multi-step program
+    runs while the host waits). Only a speed setting: a kernel's results never depend on its threads."""
     weights = sum(a.nbytes for a in jax.tree.leaves(weights))
     cache = last_level_cache_bytes()
-    return CACHED_PARALLEL_WORK if cache and weights <= cache else 0
+    return CACHED_PARALLEL_WORK if cache and weights <= cache and decode_steps == 1 else 0

@@ -133,7 +133,8 @@ class Engine:
                                      speculative_tokens=k, expert_placement=placement,
                                      batch_invariant=sched.batch_invariant,
                                      pages_without_memory_limit=self.max_num_seqs * self.max_pages + 1,
-                                     startup_kinds=("prefill", "decode") if home == "mixed" else (home,))
+                                     startup_kinds=("prefill", "decode") if home == "mixed" else (home,),
+                                     decode_steps=sched.num_scheduler_steps)
             # The prefix cache's hash chain starts from what else decides a page's KV besides its tokens.
             salt_dtype = salt_dtype or programs.cache.k[0].dtype
             pages = PagePool(programs.num_pages, self.page_size, enable_caching=cache.enable_prefix_caching,

@@ -135,7 +135,7 @@ class Instance:
             record = StepRecord(t0, self.clock(), *plan.record_fields(), self.transfer_seconds)
             self.timeline.append(record)
             if record.decode_rows:
-                self.scheduler.observe_step(record.t1 - record.t0)
+                self.scheduler.observe_step((record.t1 - record.t0) / plan.decode_steps)
         return StepOutputs(touched + more, plan.role_switch, rebalance or due, len(plan.hand_over))
 
     def _apply(self, result: StepResult) -> tuple[list[Request], bool]:

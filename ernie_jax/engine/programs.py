@@ -48,7 +48,7 @@ class ModelPrograms:
                  prefill_buckets: list[tuple[int, int]], decode_buckets: list[int],
                  score_buckets: tuple[int, ...] = (), batch_invariant: bool = False, speculative_tokens: int = 0,
                  expert_placement=None, pages_without_memory_limit: int = 0,
-                 startup_kinds: tuple[str, ...] = ("prefill", "decode")):
+                 startup_kinds: tuple[str, ...] = ("prefill", "decode"), decode_steps: int = 1):
         """prefill_buckets: (B, T) shapes, with (1, T) for every chunk length T; decode_buckets: batch sizes.
         cache: the pool's pages (num_gpu_blocks_override, the null page included), or None to size it from
         device memory: gpu_memory_utilization (default 0.9, vLLM's) of each device's memory minus what is
@@ -57,6 +57,8 @@ class ModelPrograms:
         sized the pool.
         score_buckets: chunk lengths whose prompt-scoring prefill compiles with the other buckets (a
         server's, in the background); any other length compiles on first use.
+        decode_steps: n > 1 for multi-step decode (without speculative tokens): each decode bucket also compiles
+        a program that runs n decode steps (step_functions._multi_step), after the other buckets.
         speculative_tokens: k > 0 for MTP speculative decoding: the pool holds the MTP block's KV too,
         prefill programs also draft k tokens, decode programs verify k drafts (T = k + 1) and draft again.
         expert_placement: the redundant-expert placement the model's weights were laid out in (EPLB), or None.
@@ -66,6 +68,7 @@ class ModelPrograms:
         self.leader = None  # a mesh across processes: the followers replay each @collective call (multihost.py)
         self.kv_across = None  # and a KV connector's page moves there (spanning_pool.py; serve/distributed.py sets it)
         self.k = speculative_tokens
+        self.decode_steps = 1 if speculative_tokens else decode_steps  # multi-step decode (not with MTP)
         self.expert_placement = expert_placement
         self.expert_shape = (self.cfg.num_moe_layers, self.cfg.moe_num_experts)
         self.weights = model.weights()
@@ -73,7 +76,7 @@ class ModelPrograms:
             groups = cpu_expert_groups(self.cfg.moe_num_experts) if self.plan is None else 1
             self.weights = cpu_layout(self.weights, expert_groups=groups,  # why: weights.cpu_layout
                                       fp8_values=self.execution.cpu_fp8_values)
-            cpu_kernels.set_parallel_work(kernel_parallel_work(self.weights))
+            cpu_kernels.set_parallel_work(kernel_parallel_work(self.weights, self.decode_steps))
         page_size, num_pages = cache.block_size, cache.num_gpu_blocks_override
         self.page_size, self.max_pages = page_size, max_pages_per_seq
         if self.plan is not None:
@@ -103,6 +106,7 @@ class ModelPrograms:
         else:
             self._jit = self._verify_jit = build()
         self._score_jit = build(kind="score")
+        self._multi_jit = build(kind="multi", k=self.decode_steps) if self.decode_steps > 1 else None
         extra = lambda B: ((B,),) if self.k else ()  # noqa: E731 -- next_tokens / max_accept
         # The largest single-chunk prefill and the largest decode batch serve any request (padded), so those
         # compile first; the rest compile in compile_rest() now, or behind a serving engine (take_rest()).
@@ -114,9 +118,10 @@ class ModelPrograms:
 
         def lowering(key, cache_abstract):
             kind, B, T = key
-            jitted = {"prefill": self._jit, "decode": self._verify_jit, "score": self._score_jit}[kind]
-            return lower_step(jitted, weights_abstract, cache_abstract, self.replicated, B, T, self.max_pages,
-                              ((1, T),) if kind == "score" else extra(B), sampling=kind != "score")
+            jitted = {"prefill": self._jit, "decode": self._verify_jit, "score": self._score_jit,
+                      "multi": self._multi_jit}[kind]
+            return lower_step(jitted, weights_abstract, cache_abstract, self.replicated, B, 1 if kind == "multi" else T,
+                              self.max_pages, ((1, T),) if kind == "score" else extra(B), sampling=kind != "score")
 
         # the buckets with the most tokens of each kind allocate the most while they run, beside their arguments
         heaviest = [("prefill", *max(prefill_buckets, key=lambda bt: bt[0] * bt[1]))] if prefill_buckets else []
@@ -138,15 +143,16 @@ class ModelPrograms:
         # Weights and pool as shapes and shardings: what lowering needs (the pool's buffers are donated).
         cache_abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                                       self.cache)
-        # Programs by key (kind, B, T): kind "prefill", "decode" or "score" (a prefill chunk that returns its
-        # prompt logprobs; compiled on first use unless listed in score_buckets), B rows of T tokens (a decode
-        # row's T = 1 + the speculative tokens it verifies).
+        # Programs by key (kind, B, T): kind "prefill", "decode", "score" (a prefill chunk that returns its
+        # prompt logprobs; compiled on first use unless listed in score_buckets) or "multi" (T decode steps of
+        # one token a row), B rows of T tokens (a decode row's T = 1 + the speculative tokens it verifies).
         self._programs: dict[tuple[str, int, int], Any] = {}
         self.shapes = ShapeTable()  # the compiled buckets
         # Tracing and lowering a program costs about as much as loading it from the compilation cache, so
         # each bucket is lowered by its own compile job, not all of them before the first one compiles.
         keys = [("prefill", B, T) for B, T in prefill_buckets] + [("decode", B, self.k + 1) for B in decode_buckets]
         keys += [("score", 1, T) for T in score_buckets]
+        keys += [("multi", B, self.decode_steps) for B in decode_buckets] if self._multi_jit else []
         self._lower = functools.partial(lowering, cache_abstract=cache_abstract)  # key -> Lowered
         # key -> () -> the bucket's program ready to compile(): a Lowered, or an executable from the store
         self._preparers = {key: functools.partial(self._prepared, key) for key in keys}
@@ -213,8 +219,8 @@ class ModelPrograms:
         if kind == "score":
             self.report.append((f"{self.name} prefill+prompt_logprobs", T, seconds))
             return
-        self.shapes.add(kind, (B, T) if kind == "prefill" else B)
-        label = B if kind == "decode" else T if B == 1 else f"{B}x{T}"
+        self.shapes.add(kind, (B, T) if kind in ("prefill", "multi") else B)
+        label = B if kind == "decode" else f"{B}x{T} steps" if kind == "multi" else T if B == 1 else f"{B}x{T}"
         self.report.append((f"{self.name} {kind}", label, seconds))
 
     @property
@@ -317,11 +323,13 @@ class ModelPrograms:
         return tree if self.local else self.put(tree)
 
     @collective
-    def run(self, kind: str, ids, positions, logit_positions, block_tables, arrays: dict[str, Any], extra=None):
+    def run(self, kind: str, ids, positions, logit_positions, block_tables, arrays: dict[str, Any], extra=None,
+            steps: int = 1):
         """One prefill chunk or decode step, sampling the logits with `arrays` (Engine._sampling_arrays) as
         _step does; returns (logits, expert token counts, sampled), all on device, and with speculative
-        decoding the drafts [B,k] too. extra [B]: the speculative programs' next_tokens / max_accept."""
-        fn = self._program((kind, *ids.shape))
+        decoding the drafts [B,k] too. extra [B]: the speculative programs' next_tokens / max_accept.
+        steps > 1: that many decode steps in one program (its sampled leaves [B, steps, ...])."""
+        fn = self._program(("multi", ids.shape[0], steps) if steps > 1 else (kind, *ids.shape))
         sampling = tuple(arrays[name] for name in SAMPLING_ARGS)
         extra = () if extra is None else (extra,)
         ids, positions, logit_positions, block_tables, extra, sampling = self._step_inputs(

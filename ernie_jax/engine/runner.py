@@ -1,6 +1,6 @@
 """The model runner of one instance: turns a `StepPlan` into device calls and their outputs into a
-`StepResult`. It decides nothing: which requests run, in which rows, and whether a decode step chains
-onto the one in flight are the plan's (engine/scheduler.py).
+`StepResult`. It decides nothing: which requests run, in which rows, whether a decode step chains onto the
+one in flight and how many decode steps its program runs are the plan's (engine/scheduler.py).
 
 `dispatch(plan)` builds the inputs (token ids, positions, block tables, sampling arrays), dispatches the
 prefill program then the decode program without waiting, and returns what `read()` waits for. A decode
@@ -41,6 +41,7 @@ class Dispatched(NamedTuple):
     speculating: list[bool] | None = None  # verify: which rows accept drafts
     inputs: Any = None  # verify: its (positions [B,k+1], sampling steps [B]) on the device
     batch: int = 0  # decode / verify: the program's B
+    steps: int = 1  # decode: the decode steps its program ran (multi-step: sampled leaves are [B, steps, ...])
     home: Any = None  # what read() takes to the host, on its way here already (ModelPrograms.send)
 
     def outputs(self) -> tuple:
@@ -167,7 +168,9 @@ class ModelRunner:
         arrays, nlp = self._inputs(reqs, B)
         arrays["steps"][:len(reqs)] += lag
         t0 = time.perf_counter()
-        logits, c, sampled = self.programs.run("decode", ids, positions, last, tables, arrays)
+        logits, c, sampled = self.programs.run("decode", ids, positions, last, tables, arrays, None, plan.decode_steps)
+        if plan.decode_steps > 1:  # its rows sample on the device alone (Scheduler._decode_steps)
+            return Dispatched("decode", reqs, t0, c, sampled, batch=B, steps=plan.decode_steps)
         self._mask(arrays, reqs, B)
         result = sampled if plain_sampling(arrays, nlp) else self.programs.sample(logits, arrays, nlp)
         return Dispatched("decode", reqs, t0, c, result, batch=B)
@@ -233,12 +236,14 @@ class ModelRunner:
             counts, sampled, drafts = fetch(step.home)
             self._count(counts, out)
             self.busy_seconds[step.kind] += time.perf_counter() - step.t0
-            self.steps[step.kind] += 1
+            self.steps[step.kind] += step.steps
             if sampled is None:  # a prefill chunk mid-prompt
                 continue
             tokens, lps, top_ids, top_lps = sampled
             for i, req in enumerate(step.reqs):
-                if req is not None:  # None: a prefill row mid-prompt
+                if step.steps > 1:  # a multi-step program's tokens (its rows ask no logprobs: Request.speculates)
+                    out.rows.append(RowOutput(req, step.kind, tokens[i].tolist()))
+                elif req is not None:  # None: a prefill row mid-prompt
                     out.rows.append(RowOutput(req, step.kind, [int(tokens[i])], (lps[i], top_ids[i], top_lps[i]),
                                               None if drafts is None else drafts[i].tolist()))
         return out

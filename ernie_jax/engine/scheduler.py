@@ -31,7 +31,9 @@ Prefill chunks: the oldest prefilling request's next chunk (at most the token bu
 max_num_batched_tokens), joined by the next requests' chunks when a batched program of some chunk length
 holds them. A decode step runs every running request; while the batch is unchanged (and no row's sampler
 needs its previous tokens on the host), its sampled tokens feed the next decode step on the device before
-they are read (`StepPlan.chain`), so the host's work overlaps the device's.
+they are read (`StepPlan.chain`), so the host's work overlaps the device's. While nothing else waits, one
+program may run several decode steps (`StepPlan.decode_steps`, multi-step decode), so the host's work per
+step is spread over several tokens.
 """
 
 from __future__ import annotations
@@ -191,10 +193,31 @@ class Scheduler:
         prefill, shape = self._prefill_chunks() if self.prefilling else ([], (0, 0))
         decode = list(self.running)
         B = self.shapes.bucket("decode", len(decode)) if decode else 0
-        chain = self.overlap and bool(decode) and (all(r.speculates for r in decode) if self.kv.lookahead else
-                                                   not any(r.sampling_needs_history for r in decode))
+        steps = self._decode_steps(B, self._lag(in_flight)) if decode and not prefill else 1
+        plain = all(r.speculates for r in decode) if self.kv.lookahead else \
+            not any(r.sampling_needs_history for r in decode)
+        chain = self.overlap and bool(decode) and steps == 1 and plain
         return StepPlan(list(arrived), hand_over, preempted, admitted, prefill, shape, decode, B,
-                        in_flight is not None, chain, role_switch)
+                        in_flight is not None, chain, role_switch, steps)
+
+    def _decode_steps(self, B: int, lag: int) -> int:
+        """How many decode steps the running batch's program runs (multi-step decode): n where a program of n
+        steps is compiled for B, nothing waits for this instance (no queued, prefilling or arriving request:
+        a new one waits at most one such program), every row samples on the device alone
+        (`Request.speculates`) and takes all n tokens before max_tokens or max_model_len ends it (a stop token
+        or string may still end it sooner: update() drops the tokens after it), and the pool holds their
+        pages without preempting (they are allocated here); else 1."""
+        n = self.shapes.decode_steps(B)
+        if n == 1 or self.waiting or self.prefilling or self.incoming or self.kv.lookahead:
+            return 1
+        if not all(r.speculates and not self.outputs.done_by_length(r, len(r.output_ids) + lag + n - 1)
+                   for r in self.running):
+            return 1
+        if self._shortfall(lag + n - 1) > 0:
+            return 1
+        for req in self.running:
+            self.kv.allocate_slots(req, lag + n - 1)
+        return n
 
     def _hand_over_count(self, peer: InstanceView | None) -> int:
         if peer is None or not self.running:

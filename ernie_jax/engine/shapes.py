@@ -62,10 +62,11 @@ def step_shapes(*, max_num_batched_tokens: int, max_model_len: int, page_size: i
 
 
 class ShapeTable:
-    """The compiled shapes of one instance: prefill (B, T) pairs and decode batch sizes, ascending."""
+    """The compiled shapes of one instance: prefill (B, T) pairs, decode batch sizes and multi-step decode
+    (B, steps) pairs, ascending."""
 
-    def __init__(self, prefill: list[tuple[int, int]] = (), decode: list[int] = ()):
-        self.ready: dict[str, list] = {"prefill": sorted(prefill), "decode": sorted(decode)}
+    def __init__(self, prefill: list[tuple[int, int]] = (), decode: list[int] = (), multi: list[tuple[int, int]] = ()):
+        self.ready: dict[str, list] = {"prefill": sorted(prefill), "decode": sorted(decode), "multi": sorted(multi)}
 
     def add(self, kind: str, size) -> None:
         """A program of this shape is ready (a new list: planning threads read it unlocked)."""
@@ -77,6 +78,10 @@ class ShapeTable:
         if kind == "prefill":
             return next(T for B, T in self.ready["prefill"] if B == 1 and T >= n)
         return next(b for b in self.ready[kind] if b >= n)
+
+    def decode_steps(self, B: int) -> int:
+        """The most decode steps a ready program for batch B runs (1 without a multi-step program)."""
+        return max((n for b, n in self.ready["multi"] if b == B), default=1)
 
     def prefill_batches(self, T: int) -> list[int]:
         """The ready prefill batch sizes for chunk length T, ascending (1 always among them)."""

@@ -59,6 +59,7 @@ class StepPlan:
     after_in_flight: bool  # the decode step's inputs are the tokens of the step still in flight (on the device)
     chain: bool  # the decode step's tokens may feed the next decode step before they are read
     role_switch: tuple[str, str] | None = None  # (from, to) when the instance's acting role changed
+    decode_steps: int = 1  # decode steps its decode program runs (multi-step decode: > 1, never chained)
 
     @property
     def requests(self) -> list[Request]:
@@ -80,7 +81,7 @@ class RowOutput:
     """One request's tokens from one program step."""
     req: Request
     kind: str  # "prefill" (a completed prompt's first token) or "decode"
-    tokens: list[int]  # one, or a speculative step's accepted drafts and the token after them
+    tokens: list[int]  # one, a speculative step's accepted drafts and the token after them, or a multi-step's
     logprobs: tuple | None = None  # (logprob, top ids, top logprobs) of a single sampled token
     drafts: list[int] | None = None  # speculative decoding: the MTP block's drafts for its next step
     accepted: int | None = None  # speculative decoding: how many drafts the target accepted

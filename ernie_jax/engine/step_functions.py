@@ -1,5 +1,6 @@
 """The step functions every instance compiles, as pure functions of (weights, inputs, KV pool): a prefill
-chunk or decode step that also samples (`_step`), its speculative-decoding variants (the MTP block drafting
+chunk or decode step that also samples (`_step`), several decode steps in one program (`_multi_step`), its
+speculative-decoding variants (the MTP block drafting
 after a prefill chunk, and a verify step that scores k drafts and drafts again), and a prefill that scores
 the prompt (prompt logprobs). `step_program` jits one with explicit shardings and the pool donated, so
 the pool is updated in place and never leaves its devices; `lower_step` lowers it from abstract shapes
@@ -32,6 +33,29 @@ def _step(weights, input_ids, positions, cache, logit_positions, block_tables, s
                             batch_invariant, ex, _real_tokens(logit_positions, input_ids.shape)), plan)
     counts = _expert_counts(out.expert_ids, logit_positions, input_ids.shape, cfg)
     return out.logits, out.cache, counts, sample(out.logits, *sampling)
+
+
+def _multi_step(weights, input_ids, positions, cache, logit_positions, block_tables, sampling, *, cfg, plan, ex,
+                batch_invariant, n):
+    """n decode steps in one program (multi-step decode): each step is `_step` on the token the one before it
+    sampled, one position on, its sampling step one on; the host reads the n tokens at the end. Its rows'
+    sampling is plain (every row `Request.speculates`), so what _step samples is what each row takes, and
+    the tokens are those of n single steps. The pages for the n positions are the row's already
+    (Scheduler.schedule). -> (the last step's logits, cache, the steps' summed expert counts, sampled with
+    each leaf [B, n, ...])."""
+    temperature, top_p, top_k, seeds, steps = sampling
+
+    def one(carry, _):
+        ids, pos, cache, steps, _ = carry
+        logits, cache, counts, sampled = _step(weights, ids, pos, cache, logit_positions, block_tables,
+                                               (temperature, top_p, top_k, seeds, steps), cfg=cfg, plan=plan,
+                                               ex=ex, batch_invariant=batch_invariant)
+        return (sampled[0][:, None], pos + 1, cache, steps + 1, logits), (counts, sampled)
+
+    no_logits = jnp.zeros((input_ids.shape[0], cfg.vocab_size), jnp.float32)
+    (*_, cache, _, logits), (counts, sampled) = lax.scan(one, (input_ids, positions, cache, steps, no_logits),
+                                                          length=n)
+    return logits, cache, counts.sum(axis=0), jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1), sampled)
 
 
 def _gathered(out, plan):
@@ -126,10 +150,12 @@ def _expert_counts(expert_ids, logit_positions, shape, cfg) -> jax.Array:
 def step_program(cfg, plan, ex, weight_shardings, cache_shardings, replicated, batch_invariant: bool = False,
                  kind: str = "step", k: int = 0):
     """The jitted step with explicit shardings and the cache donated: what every ModelPrograms bucket
-    compiles, and what `python -m ernie_jax.plan` compiles from shapes. kind: "step" (_step), "score"
-    (_score_step), "spec_prefill" / "verify" (speculative decoding with k MTP drafts)."""
+    compiles, and what `python -m ernie_jax.plan` compiles from shapes. kind: "step" (_step), "multi" (k
+    decode steps, _multi_step), "score" (_score_step), "spec_prefill" / "verify" (speculative decoding with
+    k MTP drafts)."""
     static = dict(cfg=cfg, plan=plan, ex=ex, batch_invariant=batch_invariant)
     fn = {"step": functools.partial(_step, **static),
+          "multi": functools.partial(_multi_step, **static, n=k),
           "score": functools.partial(_score_step, **static, num_top=MAX_LOGPROBS),
           "spec_prefill": functools.partial(_spec_prefill_step, **static, k=k),
           "verify": functools.partial(_verify_step, **static, k=k)}[kind]

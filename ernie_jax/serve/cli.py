@@ -100,6 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--max-num-seqs", type=int, default=16, help="sequences decoded together")
     a("--max-num-batched-tokens", type=int, default=512, help="prompt tokens per prefill step: a long prompt's "
       "chunk length, and the budget several short prompts batch up to")
+    a("--num-scheduler-steps", type=int, default=1, help="decode steps one program runs while no other request "
+      "waits (multi-step decode: the host's work per step spread over that many tokens; 1: off; with MTP: 1)")
     a("--batch-invariant", action="store_true", help="decode at one batch shape, so a request's output never "
       "depends on what else runs (costs throughput at low load; fewer programs to compile)")
     a("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -195,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             compilation_cache_dir=args.compilation_cache_dir or None, max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             batch_invariant=args.batch_invariant, background_compile=args.background_compile,
+            num_scheduler_steps=args.num_scheduler_steps,
             kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
             num_gpu_blocks_override=args.num_gpu_blocks_override, gpu_memory_utilization=args.gpu_memory_utilization,
             enable_prefix_caching=args.enable_prefix_caching, mesh=args.mesh if n_devices > 1 else None,
