@@ -82,8 +82,10 @@ def offline(args) -> int:
     rng = np.random.default_rng(0)
     prompts = rng.integers(3, cfg.vocab_size, (args.num_prompts, args.input_len)).tolist()
     sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    # Warm-up on the timed batch's shapes (for both stacks): a program's first run pays one-off costs.
-    llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=2))
+    # Warm-up on the timed batch's shapes (for both stacks): a program's first run pays one-off costs (with
+    # multi-step decode, enough tokens that its program runs too).
+    warm = SamplingParams(temperature=0, max_tokens=max(2, args.num_scheduler_steps + 1), ignore_eos=True)
+    llm.generate(prompt_token_ids=prompts, sampling_params=warm)
     if hf is not None:
         import torch
         torch.set_num_threads(os.cpu_count() or 1)
