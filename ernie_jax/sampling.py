@@ -160,20 +160,23 @@ def _row_key(seed, step):
     return jax.random.fold_in(jax.random.key(seed), step)
 
 
-@functools.partial(jax.jit, static_argnames=("num_logprobs",))
+@functools.partial(jax.jit, static_argnames=("num_logprobs", "token_logprobs"))
 @jax.named_scope("sampling")
 def sample(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array, seeds: jax.Array,
            steps: jax.Array, min_p: jax.Array | None = None, penalties: tuple | None = None,
-           allowed: jax.Array | None = None, num_logprobs: int = 0):
+           allowed: jax.Array | None = None, num_logprobs: int = 0, token_logprobs: bool = True):
     """logits [B,V] f32; temperature, top_p, min_p [B] f32; top_k [B] int32; seeds [B] uint32; steps [B] int32.
     penalties: None or (presence [B], frequency [B], repetition [B], output_counts [B,V], prompt_mask [B,V],
     logit_bias [B,V]) -- the bias carries -inf on stop tokens while a row is below its min_tokens.
     allowed: None or [B, ceil(V/32)] int32, the tokens each row may take (bit t%32 of word t//32; structured
     output): the others are never sampled. Logprobs stay the model's, before the mask (as vLLM's).
 
+    token_logprobs=False (a caller whose rows ask for no logprobs): the token logprobs are zeros, and the
+    vocabulary-wide log-softmax is not computed.
+
     Returns (token ids [B] int32, token logprobs [B] f32, top ids [B,n], top logprobs [B,n]).
     """
-    logprobs_all = jax.nn.log_softmax(logits, axis=-1)
+    logprobs_all = jax.nn.log_softmax(logits, axis=-1) if token_logprobs or num_logprobs else None
     if penalties is not None:
         presence, frequency, repetition, counts, prompt_mask, bias = penalties
         seen = (counts > 0) | prompt_mask
@@ -186,10 +189,11 @@ def sample(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: j
     # An all-greedy batch skips the full-vocabulary sort (lax.cond runs one branch).
     tokens = lax.cond(jnp.any(temperature > 0), lambda: _sample_rows(
         logits, greedy, temperature, top_p, top_k, min_p, seeds, steps), lambda: greedy)
-    token_logprobs = jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
+    lps = jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0] if logprobs_all is not None else \
+        jnp.zeros(tokens.shape, jnp.float32)
     top_lp, top_ids = lax.top_k(logprobs_all, num_logprobs) if num_logprobs else (
         jnp.zeros((logits.shape[0], 0)), jnp.zeros((logits.shape[0], 0), jnp.int32))
-    return tokens, token_logprobs, top_ids.astype(jnp.int32), top_lp
+    return tokens, lps, top_ids.astype(jnp.int32), top_lp
 
 
 def unpack_bitmask(words: jax.Array, V: int) -> jax.Array:

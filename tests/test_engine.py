@@ -338,6 +338,19 @@ def test_multi_step_decode_gives_the_tokens_of_single_steps(mode):
     assert all_free(multi.engine)
 
 
+def test_sampling_without_logprobs_draws_the_same_tokens():
+    """sample(token_logprobs=False), what a multi-step program runs: the same tokens, greedy and seeded, with
+    zero logprobs and no vocabulary-wide log-softmax."""
+    from ernie_jax.sampling import sample
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, 300)).astype(np.float32))
+    args = (jnp.asarray([0.0, 0.7, 1.0, 0.0], jnp.float32), jnp.asarray([1.0, 0.9, 1.0, 1.0], jnp.float32),
+            jnp.asarray([0, 0, 5, 0], jnp.int32), jnp.asarray([1, 2, 3, 4], jnp.uint32), jnp.asarray([0, 3, 7, 1], jnp.int32))
+    with_lps, without = sample(logits, *args), sample(logits, *args, token_logprobs=False)
+    np.testing.assert_array_equal(with_lps[0], without[0])
+    assert not np.asarray(without[1]).any() and np.asarray(with_lps[1]).all()
+    assert "log_softmax" not in jax.jit(lambda x: sample(x, *args, token_logprobs=False)).lower(logits).as_text()
+
+
 def test_pd_prefills_a_burst_of_prompts_in_batches():
     engine_llm = llm("pd")
     engine = engine_llm.engine

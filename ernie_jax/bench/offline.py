@@ -80,7 +80,10 @@ def offline(args) -> int:
     startup = time.perf_counter() - t0
     cfg = llm.model.config
     rng = np.random.default_rng(0)
-    prompts = rng.integers(3, cfg.vocab_size, (args.num_prompts, args.input_len)).tolist()
+    # Every run has prompts of its own, so no run is served by the prefix cache the one before filled (llama.cpp's
+    # batched bench processes its prompts every run).
+    fresh = lambda: rng.integers(3, cfg.vocab_size, (args.num_prompts, args.input_len)).tolist()  # noqa: E731
+    prompts = fresh()
     sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     # Warm-up on the timed batch's shapes (for both stacks): a program's first run pays one-off costs (with
     # multi-step decode, enough tokens that its program runs too).
@@ -98,12 +101,14 @@ def offline(args) -> int:
     # ratios of adjacent runs.
     walls, hf_walls, llama_runs, ttft, tpot = [], [], [], [], []
     for _ in range(args.repeats):
+        prompts = fresh()
         t0 = time.perf_counter()
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp)
         walls.append(time.perf_counter() - t0)
         ttft += [o.metrics["ttft"] for o in outs]
         tpot += [o.metrics["tpot"] for o in outs]
         if hf is not None:
+            ids = torch.tensor(prompts)
             with torch.no_grad():
                 t0 = time.perf_counter()
                 hf_out = hf.generate(ids, **kw)

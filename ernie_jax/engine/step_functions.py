@@ -22,7 +22,7 @@ from ernie_jax.sharding.rules import constrain
 
 
 def _step(weights, input_ids, positions, cache, logit_positions, block_tables, sampling, *, cfg, plan, ex,
-          batch_invariant):
+          batch_invariant, token_logprobs: bool = True):
     """-> (logits [B,V] at logit_positions, cache, expert token counts [L_moe,E], sampled).
 
     sampling: (temperature, top_p, top_k, seeds, steps), each [B]; `sampled` is sampling.sample's result for
@@ -32,15 +32,15 @@ def _step(weights, input_ids, positions, cache, logit_positions, block_tables, s
     out = _gathered(forward(weights, cfg, input_ids, positions, cache, logit_positions, plan, block_tables,
                             batch_invariant, ex, _real_tokens(logit_positions, input_ids.shape)), plan)
     counts = _expert_counts(out.expert_ids, logit_positions, input_ids.shape, cfg)
-    return out.logits, out.cache, counts, sample(out.logits, *sampling)
+    return out.logits, out.cache, counts, sample(out.logits, *sampling, token_logprobs=token_logprobs)
 
 
 def _multi_step(weights, input_ids, positions, cache, logit_positions, block_tables, sampling, *, cfg, plan, ex,
                 batch_invariant, n):
     """n decode steps in one program (multi-step decode): each step is `_step` on the token the one before it
     sampled, one position on, its sampling step one on; the host reads the n tokens at the end. Its rows'
-    sampling is plain (every row `Request.speculates`), so what _step samples is what each row takes, and
-    the tokens are those of n single steps. The pages for the n positions are the row's already
+    sampling is plain (every row `Request.speculates`, so none asks for logprobs, and they are not computed),
+    so what _step samples is what each row takes, and the tokens are those of n single steps. The pages for the n positions are the row's already
     (Scheduler.schedule). -> (the last step's logits, cache, the steps' summed expert counts, sampled with
     each leaf [B, n, ...])."""
     temperature, top_p, top_k, seeds, steps = sampling
@@ -49,7 +49,7 @@ def _multi_step(weights, input_ids, positions, cache, logit_positions, block_tab
         ids, pos, cache, steps, _ = carry
         logits, cache, counts, sampled = _step(weights, ids, pos, cache, logit_positions, block_tables,
                                                (temperature, top_p, top_k, seeds, steps), cfg=cfg, plan=plan,
-                                               ex=ex, batch_invariant=batch_invariant)
+                                               ex=ex, batch_invariant=batch_invariant, token_logprobs=False)
         return (sampled[0][:, None], pos + 1, cache, steps + 1, logits), (counts, sampled)
 
     no_logits = jnp.zeros((input_ids.shape[0], cfg.vocab_size), jnp.float32)

@@ -43,7 +43,7 @@ class ExecutionConfig:
     expert_tile_rows: int = 256
     sorted_tile_rows: int = 128
     expert_capacity_midpoints: bool = True  # ops/routed_experts/capacity.expert_capacities
-    expert_matvec_max_tokens: int = 64  # ops/routed_experts: the most tokens cpu_matvec's kernel takes
+    expert_matvec_max_tokens: int = 2048  # ops/routed_experts: the most tokens cpu_matvec's kernel takes
     matvec_max_rows: int = 4  # ops/dense_matmul: the most rows cpu_matvec's kernel takes
     attention_block_slots: int = 64  # key slots per step of the XLA paged-attention loop
     passed_over: tuple[tuple[str, str, str], ...] = ()  # (op, implementation, why) for the report

@@ -5,10 +5,10 @@ BlockFP8, or tuples of consecutive expert groups) -> [T,H]. With every expert lo
 routed output; under expert parallelism each device adds its own experts' share. Dropless: every
 assignment to a local expert is computed, whatever the load.
 
-Implementations, preferred first: "cpu_matvec" (matvec.py: bf16 experts at decode sizes through a compiled
-CPU kernel, else as "xla_cpu"; XLA:CPU where the kernel builds), "xla_cpu" (capacity.py at decode sizes,
-tiled.py at prefill sizes; XLA:CPU only), "ragged" (the reference, ragged.py: grouped matmuls whose cost
-follows the routed rows).
+Implementations, preferred first: "cpu_matvec" (matvec.py: bf16 experts, decode steps and prefill chunks of
+up to ExpertOptions.matvec_max_tokens, through a compiled CPU kernel, else as "xla_cpu"; XLA:CPU where the
+kernel builds), "xla_cpu" (capacity.py at decode sizes, tiled.py at prefill sizes; XLA:CPU only), "ragged"
+(the reference, ragged.py: grouped matmuls whose cost follows the routed rows).
 "capacity", "tiled" and "sorted_tiles" (differentiable: training) are chosen only by name.
 """
 

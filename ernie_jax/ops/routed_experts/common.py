@@ -22,7 +22,7 @@ class ExpertOptions(NamedTuple):
     tile_rows: int = 256  # rows per tile of the tiled form (and its prefill threshold in xla_cpu)
     sorted_tile_rows: int = 128  # rows per tile of the sorted-tiles form
     capacity_midpoints: bool = True  # the capacity form's capacities: powers of two and, from 8, 1.5x between
-    matvec_max_tokens: int = 64  # the most tokens cpu_matvec gives its kernel (more: the xla_cpu forms)
+    matvec_max_tokens: int = 2048  # the most tokens cpu_matvec gives its kernel (more: the xla_cpu forms)
 
 
 def expert_groups(w) -> tuple:
