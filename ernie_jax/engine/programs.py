@@ -120,8 +120,9 @@ class ModelPrograms:
             kind, B, T = key
             jitted = {"prefill": self._jit, "decode": self._verify_jit, "score": self._score_jit,
                       "multi": self._multi_jit}[kind]
-            return lower_step(jitted, weights_abstract, cache_abstract, self.replicated, B, 1 if kind == "multi" else T,
-                              self.max_pages, ((1, T),) if kind == "score" else extra(B), sampling=kind != "score")
+            tokens = 1 if kind == "multi" else T  # a multi-step program's T is its steps, of one token a row
+            return lower_step(jitted, weights_abstract, cache_abstract, self.replicated, B, tokens, self.max_pages,
+                              ((1, T),) if kind == "score" else extra(B), sampling=kind != "score")
 
         # the buckets with the most tokens of each kind allocate the most while they run, beside their arguments
         heaviest = [("prefill", *max(prefill_buckets, key=lambda bt: bt[0] * bt[1]))] if prefill_buckets else []

@@ -1,11 +1,10 @@
 """The step functions every instance compiles, as pure functions of (weights, inputs, KV pool): a prefill
 chunk or decode step that also samples (`_step`), several decode steps in one program (`_multi_step`), its
-speculative-decoding variants (the MTP block drafting
-after a prefill chunk, and a verify step that scores k drafts and drafts again), and a prefill that scores
-the prompt (prompt logprobs). `step_program` jits one with explicit shardings and the pool donated, so
-the pool is updated in place and never leaves its devices; `lower_step` lowers it from abstract shapes
-(what `python -m ernie_jax.plan` compiles without weights). Each also counts the tokens routed to each
-expert of each MoE layer (load metrics and EPLB).
+speculative-decoding variants (the MTP block drafting after a prefill chunk, and a verify step that scores k
+drafts and drafts again), and a prefill that scores the prompt (prompt logprobs). `step_program` jits one
+with explicit shardings and the pool donated, so the pool is updated in place and never leaves its devices;
+`lower_step` lowers it from abstract shapes (what `python -m ernie_jax.plan` compiles without weights). Each
+also counts the tokens routed to each expert of each MoE layer (load metrics and EPLB).
 """
 
 from __future__ import annotations
@@ -38,11 +37,11 @@ def _step(weights, input_ids, positions, cache, logit_positions, block_tables, s
 def _multi_step(weights, input_ids, positions, cache, logit_positions, block_tables, sampling, *, cfg, plan, ex,
                 batch_invariant, n):
     """n decode steps in one program (multi-step decode): each step is `_step` on the token the one before it
-    sampled, one position on, its sampling step one on; the host reads the n tokens at the end. Its rows'
-    sampling is plain (every row `Request.speculates`, so none asks for logprobs, and they are not computed),
-    so what _step samples is what each row takes, and the tokens are those of n single steps. The pages for the n positions are the row's already
-    (Scheduler.schedule). -> (the last step's logits, cache, the steps' summed expert counts, sampled with
-    each leaf [B, n, ...])."""
+    sampled, one position on, its sampling step one on; the host reads the n tokens at the end. Every row
+    samples plainly (`Request.speculates`: none asks for logprobs, so they are not computed), so what _step
+    samples is what each row takes, and the tokens are those of n single steps. The rows hold the pages of
+    the n positions already (Scheduler._decode_steps). -> (the last step's logits, cache, the steps' summed
+    expert counts, sampled with each leaf [B, n, ...])."""
     temperature, top_p, top_k, seeds, steps = sampling
 
     def one(carry, _):
