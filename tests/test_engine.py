@@ -338,6 +338,31 @@ def test_multi_step_decode_gives_the_tokens_of_single_steps(mode):
     assert all_free(multi.engine)
 
 
+def test_multi_step_decode_under_preemption_matches_single_steps():
+    """Four requests with a seat each outgrow a small pool (preemptions by recompute) while they decode 4 steps a
+    program; seeded sampling, stop tokens, logprobs and min_tokens among them: every request gets the tokens
+    and finish reason of single steps, and every page ends free."""
+    prompts = [[5, 9, 11, 13, 2, 8], [7, 3, 30, 31, 32, 33, 34, 35, 36, 37, 38], [21, 22, 23], [4, 40, 41, 42, 43]]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=3, max_tokens=44, ignore_eos=True, stop_token_ids=[7, 11]),
+              SamplingParams(temperature=0, max_tokens=37, ignore_eos=True, logprobs=1),
+              SamplingParams(temperature=0.7, seed=5, max_tokens=42, min_tokens=9)]
+    outs, preempted = {}, {}
+    for steps in (1, 4):
+        engine_llm = LLM(golden_model(), max_model_len=64, max_num_seqs=4, num_gpu_blocks_override=16, block_size=8,
+                         num_scheduler_steps=steps)
+        runner = engine_llm.engine.instances[0].runner
+        runner.dispatch = lambda plan, d=runner.dispatch: (plan.decode and ran.append(plan.decode_steps)) or d(plan)
+        ran = []  # per decode dispatch: its program's decode steps
+        got = engine_llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        outs[steps] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in got]
+        preempted[steps] = sum(i.scheduler.num_preemptions for i in engine_llm.engine.instances)
+        assert (4 in ran) == (steps == 4)
+        assert all_free(engine_llm.engine)
+    assert preempted[1] > 0 and preempted[4] > 0
+    assert outs[4] == outs[1]
+
+
 def test_sampling_without_logprobs_draws_the_same_tokens():
     """sample(token_logprobs=False), what a multi-step program runs: the same tokens, greedy and seeded, with
     zero logprobs and no vocabulary-wide log-softmax."""
